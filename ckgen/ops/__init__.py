@@ -1,0 +1,18 @@
+"""Op registry: every op is declared once, as an OpSpec, and registered here."""
+from __future__ import annotations
+
+from .groupnorm import GroupNormFwd
+from .spec import OpSpec
+
+_REGISTRY: dict[str, OpSpec] = {spec.name: spec for spec in (GroupNormFwd(),)}
+
+
+def get_op(name: str) -> OpSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"op: unknown {name!r}; known ops: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def all_ops() -> list[OpSpec]:
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]

@@ -1,0 +1,215 @@
+"""GroupNorm ops, each declared once as an OpSpec."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from ..space import load_space
+from .numeric import round_to
+from .spec import DTYPES, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance
+
+ACTIVATIONS = ("none", "swish")
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class GroupNormProblem(Problem):
+    """Everything that picks a GroupNorm instance: the DB key. eps is a run-time argument."""
+
+    op: ClassVar[str] = "groupnorm_fwd"
+    N: int
+    C: int
+    H: int
+    W: int
+    G: int
+    dtype: str
+    layout: str
+    activation: str = "none"
+
+    def __post_init__(self) -> None:
+        for f in ("N", "C", "H", "W", "G"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
+        if self.C % self.G:
+            raise ValueError(f"groups: C={self.C} is not divisible by groups={self.G}; pick G dividing C")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: {self.activation!r} is not one of None, 'swish'")
+
+    @property
+    def HW(self) -> int:
+        return self.H * self.W
+
+    @property
+    def Cg(self) -> int:
+        return self.C // self.G
+
+    @property
+    def numel(self) -> int:
+        return self.N * self.C * self.HW
+
+    def key(self) -> str:
+        return (f"N={self.N},C={self.C},H={self.H},W={self.W},G={self.G},"
+                f"dtype={self.dtype},layout={self.layout},act={self.activation}")
+
+    @classmethod
+    def from_key(cls, key: str) -> "GroupNormProblem":
+        try:
+            kv = dict(part.split("=", 1) for part in key.split(","))
+            return cls(int(kv["N"]), int(kv["C"]), int(kv["H"]), int(kv["W"]), int(kv["G"]),
+                       kv["dtype"], kv["layout"], kv.get("act", "none"))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"problem key {key!r} is malformed: {e}") from None
+
+
+def _regs_per_thread(config: Config) -> int:
+    return min(255, 65536 // (config["threads"] * config["min_blocks"]))
+
+
+class GroupNormFwd(OpSpec):
+    name: ClassVar[str] = "groupnorm_fwd"
+    template: ClassVar[str] = "groupnorm_fwd.cu.j2"
+    problem_type: ClassVar[type] = GroupNormProblem
+
+    @property
+    def space(self):
+        return load_space(self.name)
+
+    def parse_problem(self, **kw: Any) -> GroupNormProblem:
+        return GroupNormProblem(**kw)
+
+    def problem_from_key(self, key: str) -> GroupNormProblem:
+        return GroupNormProblem.from_key(key)
+
+    def vec_elems(self, problem: GroupNormProblem, config: Config) -> int:
+        return config["vec_bytes"] // DTYPES[problem.dtype]["itemsize"]
+
+    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        in_space = self.space.check(config)
+        if not in_space:
+            return in_space
+        item = DTYPES[p.dtype]["itemsize"]
+        vb, threads, items = config["vec_bytes"], config["threads"], config["items"]
+        gpb, cluster = config["groups_per_block"], config["cluster"]
+        if vb % item:
+            return Support.no(f"vec_bytes={vb} is not a whole number of {p.dtype} elements")
+        vec = vb // item
+        if threads % target.warp_size:
+            return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
+        if cluster > 1 and not target.clusters:
+            return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
+        if p.Cg * p.HW // vec > _INT32_MAX:
+            return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
+        regs_needed = (items * vec if config["slice_in"] == "regs" else items * vec // 2) + 32
+        if regs_needed > _regs_per_thread(config):
+            return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
+                              f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
+        if p.layout == "nchw":
+            if gpb != 1:
+                return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
+            if p.HW % vec:
+                return Support.no(f"vector of {vec} does not divide H*W={p.HW}")
+            nvec = p.Cg * p.HW // vec
+            share = -(-nvec // cluster)
+            if config["slice_in"] == "regs" and share > threads * items:
+                return Support.no(f"slice share of {share} vectors exceeds threads*items={threads * items}")
+            if cluster > 1 and share < threads // 4:
+                return Support.no(f"cluster={cluster} leaves each block {share} vectors for {threads} threads")
+        else:
+            if p.G % gpb:
+                return Support.no(f"groups_per_block={gpb} does not divide G={p.G}")
+            if p.Cg % vec:
+                return Support.no(f"vector of {vec} does not divide channels per group C/G={p.Cg}")
+            cols = gpb * (p.Cg // vec)
+            if cols > threads:
+                return Support.no(f"{cols} vector columns ({gpb} groups x {p.Cg} channels) exceed threads={threads}")
+            rows = threads // cols
+            if rows * cols * 4 < threads * 3:
+                return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)")
+            share = -(-p.HW // cluster)
+            if config["slice_in"] == "regs" and share > rows * items:
+                return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
+            if cluster > 1 and share < rows:
+                return Support.no(f"cluster={cluster} leaves each block fewer pixels ({share}) than rows ({rows})")
+        tiles = p.N * (p.G // gpb) * cluster
+        if tiles > _INT32_MAX:
+            return Support.no("grid too large")
+        return Support.yes()
+
+    def instance_name(self, p: GroupNormProblem, config: Config) -> str:
+        c = config
+        act = "_swish" if p.activation == "swish" else ""
+        return (f"ckgen_groupnorm_fwd_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}"
+                f"_i{c['items']}_g{c['groups_per_block']}_c{c['cluster']}_{c['slice_in']}_m{c['min_blocks']}")
+
+    def render_context(self, p: GroupNormProblem, config: Config, target: Target) -> dict[str, Any]:
+        d = DTYPES[p.dtype]
+        return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout,
+                    activation=p.activation, storage=d["storage"], itemsize=d["itemsize"],
+                    vec=self.vec_elems(p, config))
+
+    def launch(self, p: GroupNormProblem, config: Config, target: Target, num_sms: int = 0) -> Launch:
+        blocks = p.N * (p.G // config["groups_per_block"]) * config["cluster"]
+        return Launch((blocks, 1, 1), (config["threads"], 1, 1), 0)
+
+    def min_bytes(self, p: GroupNormProblem) -> int:
+        return 2 * p.numel * DTYPES[p.dtype]["itemsize"]  # read x once, write y once
+
+    def make_inputs(self, p: GroupNormProblem, rng: np.random.Generator,
+                    offset: float = 0.0) -> dict[str, np.ndarray]:
+        shape = (p.N, p.C, p.H, p.W)
+        # Per-channel offsets and scales so groups differ; never zeros.
+        chan_mu = rng.normal(0.0, 0.5, size=(1, p.C, 1, 1))
+        chan_sd = rng.uniform(0.5, 2.0, size=(1, p.C, 1, 1))
+        x = offset + chan_mu + chan_sd * rng.standard_normal(shape)
+        return {
+            "x": round_to(x, p.dtype),
+            "gamma": round_to(1.0 + 0.25 * rng.standard_normal(p.C), p.dtype),
+            "beta": round_to(0.25 * rng.standard_normal(p.C), p.dtype),
+        }
+
+    def reference(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray],
+                  eps: float = 1e-5) -> dict[str, np.ndarray]:
+        return groupnorm_fwd_reference(inputs["x"], inputs.get("gamma"), inputs.get("beta"),
+                                       p.G, eps, p.activation)
+
+    def tolerance(self, dtype: str, output: str) -> Tolerance:
+        if output == "y":
+            return {"fp32": Tolerance(1e-4, 1e-4), "fp16": Tolerance(4e-3, 4e-3),
+                    "bf16": Tolerance(3e-2, 1.6e-2)}[dtype]
+        if output == "mean":
+            return Tolerance(1e-4, 1e-5)
+        return Tolerance(0.0, 2e-3)  # rstd
+
+    def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:
+        d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.Cg * a.HW / (b.Cg * b.HW)))
+        d += abs(math.log(a.N * a.G / (b.N * b.G))) + abs(math.log(a.Cg / b.Cg))
+        d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype) + 0.5 * (a.activation != b.activation)
+        return d
+
+
+def groupnorm_fwd_reference(x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
+                            groups: int, eps: float = 1e-5,
+                            activation: str = "none") -> dict[str, np.ndarray]:
+    """float64 GroupNorm (+ swish): y, mean (N, G), rstd (N, G). Population variance."""
+    x = np.asarray(x, dtype=np.float64)
+    N, C, H, W = x.shape
+    xg = x.reshape(N, groups, -1)
+    mean = xg.mean(axis=2)
+    var = ((xg - mean[..., None]) ** 2).mean(axis=2)
+    rstd = 1.0 / np.sqrt(var + eps)
+    y = ((xg - mean[..., None]) * rstd[..., None]).reshape(N, C, H, W)
+    if gamma is not None:
+        y = y * np.asarray(gamma, dtype=np.float64).reshape(1, C, 1, 1)
+    if beta is not None:
+        y = y + np.asarray(beta, dtype=np.float64).reshape(1, C, 1, 1)
+    if activation == "swish":
+        y = y / (1.0 + np.exp(-y))
+    return {"y": y, "mean": mean, "rstd": rstd}

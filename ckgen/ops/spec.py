@@ -1,0 +1,157 @@
+"""Value types shared by every op: Support, Config, Target, Launch and the OpSpec contract.
+
+Nothing here imports CuPy: specs, spaces, rendering and the DB run on machines with no GPU.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+DTYPES: dict[str, dict[str, Any]] = {
+    # itemsize and the C storage type the kernels load (bf16 travels as uint16 bits)
+    "fp32": {"itemsize": 4, "storage": "float"},
+    "fp16": {"itemsize": 2, "storage": "unsigned short"},
+    "bf16": {"itemsize": 2, "storage": "unsigned short"},
+}
+LAYOUTS = ("nchw", "nhwc")
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a config can run a problem; `reason` says why not."""
+
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls) -> "Support":
+        return cls(True)
+
+    @classmethod
+    def no(cls, reason: str) -> "Support":
+        return cls(False, reason)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@dataclass(frozen=True)
+class Config:
+    """A point of a tuning space: sorted (name, value) pairs, hashable and printable."""
+
+    items: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> "Config":
+        return cls(tuple(sorted(values.items())))
+
+    def __getitem__(self, name: str) -> Any:
+        for k, v in self.items:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.items)
+
+    def replace(self, **changes: Any) -> "Config":
+        d = self.as_dict()
+        d.update(changes)
+        return Config.of(d)
+
+    def key(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.items)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a kernel is built for. CUDA/HIP differences are data here, not branches."""
+
+    vendor: str  # "cuda" | "hip"
+    arch: str  # "sm_90", "gfx942", ...
+    warp_size: int = 32
+    clusters: bool = False  # thread-block clusters with distributed shared memory (sm_90+)
+
+    @classmethod
+    def named(cls, arch: str) -> "Target":
+        if arch.startswith("sm_") and arch[3:].rstrip("a").isdigit():
+            return cls("cuda", arch, 32, int(arch[3:].rstrip("a")) >= 90)
+        if arch.startswith("gfx"):
+            # wave64 on CDNA (gfx9xx), wave32 on RDNA (gfx10xx and later)
+            return cls("hip", arch, 64 if arch.startswith("gfx9") else 32, False)
+        raise ValueError(f"target: unknown arch {arch!r}; use sm_XX (NVIDIA) or gfxXXXX (AMD)")
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int = 0
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+class Problem(abc.ABC):
+    """A problem of one op: the DB key is `key()`; the op's `problem_from_key` inverts it."""
+
+    op: ClassVar[str]
+    dtype: str
+
+    @abc.abstractmethod
+    def key(self) -> str: ...
+
+
+class OpSpec(abc.ABC):
+    """One op, declared once. The CLI, DB, dispatcher, tuner and tests work from this alone.
+
+    Contract:
+      - `validate` never raises for a config of the op's space: it returns Support.no(reason).
+      - `render_context` is all a template sees: dtype/layout/activation and the config, never
+        the shape, so one compiled instance serves every shape its config is valid for.
+      - `reference` is float64 NumPy; `make_inputs` draws fresh random (never zero) inputs.
+    """
+
+    name: ClassVar[str]
+    template: ClassVar[str]
+    problem_type: ClassVar[type]
+
+    @abc.abstractmethod
+    def parse_problem(self, **kw: Any) -> Problem: ...
+
+    @abc.abstractmethod
+    def problem_from_key(self, key: str) -> Problem: ...
+
+    @abc.abstractmethod
+    def validate(self, problem: Any, config: Config, target: Target) -> Support: ...
+
+    @abc.abstractmethod
+    def instance_name(self, problem: Any, config: Config) -> str: ...
+
+    @abc.abstractmethod
+    def render_context(self, problem: Any, config: Config, target: Target) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def launch(self, problem: Any, config: Config, target: Target, num_sms: int = 0) -> Launch: ...
+
+    @abc.abstractmethod
+    def min_bytes(self, problem: Any) -> int: ...
+
+    @abc.abstractmethod
+    def make_inputs(self, problem: Any, rng: np.random.Generator) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def reference(self, problem: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def tolerance(self, dtype: str, output: str) -> Tolerance: ...
+
+    @abc.abstractmethod
+    def distance(self, a: Any, b: Any) -> float:
+        """How far apart two problems are, for the dispatcher's nearest-tuned fallback."""

@@ -1,0 +1,27 @@
+"""Every setting read from the environment, in one place."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+ENV_DB = "CKGEN_DB"  # path of the user instance DB
+ENV_CACHE = "CKGEN_CACHE_DIR"  # folder for the user DB and optuna studies
+ENV_QUIET = "CKGEN_QUIET"  # "1": no fallback notices from the dispatcher
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or platformdirs.user_cache_dir("ckgen"))
+
+
+def user_db_path() -> Path:
+    return Path(os.environ.get(ENV_DB) or cache_dir() / "instances.yaml")
+
+
+def study_storage_url() -> str:
+    return f"sqlite:///{cache_dir() / 'studies.sqlite3'}"
+
+
+def quiet() -> bool:
+    return os.environ.get(ENV_QUIET, "") == "1"

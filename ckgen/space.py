@@ -1,0 +1,93 @@
+"""Tuning spaces: read ckgen/tuning_spaces/<op>.yaml, enumerate, sample, check constraints."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Iterator
+
+import yaml
+
+from .ops.spec import Config, Support
+
+
+@dataclass(frozen=True)
+class Constraint:
+    expr: str
+    reason: str
+
+    def check(self, values: dict[str, Any]) -> bool:
+        # Expressions come from our own YAML; no builtins are reachable from them.
+        return bool(eval(self.expr, {"__builtins__": {}}, dict(values)))  # noqa: S307
+
+
+@dataclass(frozen=True)
+class Space:
+    op: str
+    tile: tuple[tuple[str, tuple[Any, ...]], ...]
+    algo: tuple[tuple[str, tuple[Any, ...]], ...]
+    constraints: tuple[Constraint, ...]
+    default: Config
+    default_problems: dict[str, Any]
+
+    @property
+    def params(self) -> dict[str, tuple[Any, ...]]:
+        return dict(self.tile + self.algo)
+
+    def check(self, config: Config) -> Support:
+        """Is `config` a point of this space (names, values, constraints)?"""
+        params = self.params
+        values = config.as_dict()
+        missing = sorted(set(params) - set(values))
+        extra = sorted(set(values) - set(params))
+        if missing or extra:
+            return Support.no(f"config keys differ from the space: missing {missing}, unknown {extra}")
+        for name, value in values.items():
+            if value not in params[name]:
+                return Support.no(f"{name}={value!r} is not one of {list(params[name])}")
+        for c in self.constraints:
+            if not c.check(values):
+                return Support.no(c.reason)
+        return Support.yes()
+
+    def enumerate(self) -> Iterator[Config]:
+        names = list(self.params)
+        for combo in itertools.product(*(self.params[n] for n in names)):
+            cfg = Config.of(dict(zip(names, combo)))
+            if self.check(cfg):
+                yield cfg
+
+    def by_distance_from_default(self) -> list[Config]:
+        """Every point, nearest the default first (count of differing knobs, then value order)."""
+        params = self.params
+        d = self.default.as_dict()
+
+        def rank(cfg: Config) -> tuple[int, tuple[int, ...]]:
+            v = cfg.as_dict()
+            diff = sum(v[k] != d[k] for k in params)
+            order = tuple(abs(params[k].index(v[k]) - params[k].index(d[k])) for k in sorted(params))
+            return diff, order
+
+        return sorted(self.enumerate(), key=rank)
+
+
+def _parse(doc: dict[str, Any]) -> Space:
+    params = doc["params"]
+    tile = tuple((k, tuple(v)) for k, v in params.get("tile", {}).items())
+    algo = tuple((k, tuple(v)) for k, v in params.get("algo", {}).items())
+    constraints = tuple(Constraint(c["expr"], c["reason"]) for c in doc.get("constraints", []))
+    space = Space(doc["op"], tile, algo, constraints, Config.of(doc["default"]),
+                  doc.get("default_problems", {}))
+    ok = space.check(space.default)
+    if not ok:
+        raise ValueError(f"tuning space {doc['op']}: default config is invalid: {ok.reason}")
+    return space
+
+
+@lru_cache(maxsize=None)
+def load_space(op: str) -> Space:
+    path = resources.files("ckgen") / "tuning_spaces" / f"{op}.yaml"
+    if not path.is_file():
+        raise ValueError(f"op: no tuning space for {op!r} (looked for {path})")
+    return _parse(yaml.safe_load(path.read_text()))

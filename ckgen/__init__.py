@@ -1,0 +1,22 @@
+"""ckgen: generated, tuned GPU kernels for GroupNorm and pooling.
+
+    import ckgen
+    y, mean, rstd = ckgen.groupnorm_fwd(x, gamma, beta, groups=32, activation="swish")
+    print(ckgen.explain("groupnorm_fwd", x, gamma, beta, 32))
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .dispatch import explain, groupnorm_fwd
+from .tensors import bfloat16
+
+
+def reload_db() -> None:
+    """Forget the loaded instance DBs and cached choices (after tuning in this process)."""
+    from .dispatch import dispatcher
+
+    dispatcher().reload()
+
+
+__all__ = ["__version__", "bfloat16", "explain", "groupnorm_fwd", "reload_db"]

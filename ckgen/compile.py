@@ -69,3 +69,27 @@ def load_kernel(src: KernelSource) -> Any:
     with _lock:
         _cache[key] = kern
     return kern
+
+
+def _prewarm_one(code: str, name: str) -> str | None:
+    import cupy
+
+    try:
+        cupy.RawModule(code=code, options=NVRTC_OPTIONS).get_function(name).compile()
+        return None
+    except Exception as e:  # reported, not raised: the caller compiles again and sees it
+        return f"{name}: {e}"
+
+
+def prewarm(sources: list[KernelSource], workers: int = 8) -> list[str]:
+    """Compile many sources in parallel processes so that CuPy's on-disk kernel cache holds
+    them; later `load_kernel` calls in this process then only load. Returns failures."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    uniq = {s.sha256: s for s in sources}
+    if len(uniq) < 4 or workers < 2:
+        return []
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        out = ex.map(_prewarm_one, [s.code for s in uniq.values()], [s.name for s in uniq.values()])
+        return [r for r in out if r]

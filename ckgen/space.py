@@ -5,11 +5,15 @@ import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Iterator
+from typing import Any
 
 import yaml
 
 from .ops.spec import Config, Support
+
+# Memo of check() results and enumerations: spaces are immutable once loaded.
+_checked: dict[tuple[str, Config], Support] = {}
+_enumerated: dict[str, tuple[Config, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,13 @@ class Space:
 
     def check(self, config: Config) -> Support:
         """Is `config` a point of this space (names, values, constraints)?"""
+        key = (self.op, config)
+        hit = _checked.get(key)
+        if hit is None:
+            hit = _checked[key] = self._check(config)
+        return hit
+
+    def _check(self, config: Config) -> Support:
         params = self.params
         values = config.as_dict()
         missing = sorted(set(params) - set(values))
@@ -51,12 +62,13 @@ class Space:
                 return Support.no(c.reason)
         return Support.yes()
 
-    def enumerate(self) -> Iterator[Config]:
-        names = list(self.params)
-        for combo in itertools.product(*(self.params[n] for n in names)):
-            cfg = Config.of(dict(zip(names, combo)))
-            if self.check(cfg):
-                yield cfg
+    def enumerate(self) -> tuple[Config, ...]:
+        """Every valid point, in declaration order."""
+        if self.op not in _enumerated:
+            names = list(self.params)
+            combos = (Config.of(dict(zip(names, c))) for c in itertools.product(*(self.params[n] for n in names)))
+            _enumerated[self.op] = tuple(c for c in combos if self.check(c))
+        return _enumerated[self.op]
 
     def by_distance_from_default(self) -> list[Config]:
         """Every point, nearest the default first (count of differing knobs, then value order)."""

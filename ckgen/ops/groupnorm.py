@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from ..space import load_space
-from .numeric import round_to
+from .numeric import from_storage, round_to, to_storage
 from .spec import DTYPES, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance
 
 ACTIVATIONS = ("none", "swish")
@@ -187,6 +187,31 @@ class GroupNormFwd(OpSpec):
         if output == "mean":
             return Tolerance(1e-4, 1e-5)
         return Tolerance(0.0, 2e-3)  # rstd
+
+    def pack_inputs(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = inputs["x"] if p.layout == "nchw" else np.transpose(inputs["x"], (0, 2, 3, 1))
+        packed = {"x": to_storage(np.ascontiguousarray(x), p.dtype).ravel()}
+        for k in ("gamma", "beta"):
+            if inputs.get(k) is not None:
+                packed[k] = to_storage(inputs[k], p.dtype)
+        return packed
+
+    def output_buffers(self, p: GroupNormProblem) -> dict[str, tuple[int, Any]]:
+        bits = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[p.dtype]
+        return {"y": (p.numel, bits), "mean": (p.N * p.G, np.float32), "rstd": (p.N * p.G, np.float32)}
+
+    def unpack_outputs(self, p: GroupNormProblem, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        y = from_storage(raw["y"], p.dtype)
+        y = y.reshape(p.N, p.C, p.H, p.W) if p.layout == "nchw" else \
+            y.reshape(p.N, p.H, p.W, p.C).transpose(0, 3, 1, 2)
+        return {"y": y, "mean": raw["mean"].astype(np.float64).reshape(p.N, p.G),
+                "rstd": raw["rstd"].astype(np.float64).reshape(p.N, p.G)}
+
+    def kernel_args(self, p: GroupNormProblem, ptrs: Mapping[str, int], eps: float) -> tuple:
+        u = np.uint64
+        return (u(ptrs["x"]), u(ptrs.get("gamma", 0)), u(ptrs.get("beta", 0)), u(ptrs["y"]),
+                u(ptrs["mean"]), u(ptrs["rstd"]), np.int32(p.C), np.int32(p.HW), np.int32(p.G),
+                np.float32(eps))
 
     def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:
         d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.Cg * a.HW / (b.Cg * b.HW)))

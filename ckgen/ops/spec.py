@@ -152,6 +152,20 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def tolerance(self, dtype: str, output: str) -> Tolerance: ...
 
+    # ---- device buffers, as flat host arrays in device memory order (used by verify/bench) ----
+    @abc.abstractmethod
+    def pack_inputs(self, problem: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def output_buffers(self, problem: Any) -> dict[str, tuple[int, Any]]:
+        """name -> (element count, NumPy dtype of the stored bits)."""
+
+    @abc.abstractmethod
+    def unpack_outputs(self, problem: Any, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    @abc.abstractmethod
+    def kernel_args(self, problem: Any, ptrs: Mapping[str, int], eps: float) -> tuple: ...
+
     @abc.abstractmethod
     def distance(self, a: Any, b: Any) -> float:
         """How far apart two problems are, for the dispatcher's nearest-tuned fallback."""

@@ -1,0 +1,63 @@
+"""Timing like deployment: device events, warm-up, L2 flushed before every run, median and
+spread; and the copy that defines copy-equivalent efficiency, timed the same way."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    runs: int
+
+    @property
+    def spread(self) -> float:
+        """(p90 - p10) / median: two results closer than this are a tie."""
+        return (self.p90_us - self.p10_us) / self.median_us if self.median_us else 0.0
+
+
+class Timer:
+    """Times callables on the current CuPy stream, flushing L2 by overwriting a buffer twice
+    its size before each timed run (outside the timed region)."""
+
+    def __init__(self, l2_bytes: int, warmup: int = 3, runs: int = 25):
+        import cupy
+
+        self._cupy = cupy
+        self._flush = cupy.empty(max(2 * l2_bytes, 8 << 20), dtype=cupy.uint8)
+        self.warmup, self.runs = warmup, runs
+
+    def time(self, fn: Callable[[], object], runs: int | None = None) -> Timing:
+        cp = self._cupy
+        for _ in range(self.warmup):
+            fn()
+        n = runs or self.runs
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(n)]
+        for i, (a, b) in enumerate(events):
+            self._flush.fill(i & 0xFF)
+            a.record()
+            fn()
+            b.record()
+        events[-1][1].synchronize()
+        ts = sorted(cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in events)
+        q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
+        return Timing(statistics.median(ts), q[0], q[-1], n)
+
+    def copy_time(self, total_bytes: int) -> Timing:
+        """A device-to-device copy moving `total_bytes` (half read, half written)."""
+        cp = self._cupy
+        half = max(total_bytes // 2, 1)
+        src = cp.empty(half, dtype=cp.uint8)
+        src.fill(1)
+        dst = cp.empty(half, dtype=cp.uint8)
+        t = self.time(lambda: dst.data.copy_from_device_async(src.data, half))
+        del src, dst
+        return t
+
+
+def gbps(nbytes: int, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e9 if us > 0 else 0.0

@@ -1,0 +1,203 @@
+"""`ckgen tune | list | db show | db export`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
+    if args.shape:
+        if len(args.shape) != 4:
+            raise SystemExit("ckgen tune: --shape takes N,C,H,W")
+        if args.groups is None:
+            raise SystemExit("ckgen tune: --groups is required with --shape")
+        n, c, h, w = args.shape
+        acts = [args.activation or "none"]
+        return [op.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l, activation=a)
+                for d in (args.dtype or ["bf16"]) for l in (args.layout or ["nchw"]) for a in acts]
+    dp = op.space.default_problems
+    return [op.parse_problem(N=s[0], C=s[1], H=s[2], W=s[3], G=s[4], dtype=d, layout=l, activation=a)
+            for s in dp["shapes"] for d in (args.dtype or dp["dtypes"]) for l in (args.layout or dp["layouts"])
+            for a in ([args.activation] if args.activation else dp["activations"])]
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .ops import get_op
+    from .target import gpu_status
+
+    try:
+        op = get_op(args.op)
+        problems = _problems(op, args)
+    except ValueError as e:
+        err.print(f"ckgen tune: {e}")
+        return 2
+    why = gpu_status()
+    if why:
+        err.print(f"ckgen tune: no usable GPU: {why}")
+        return 2
+    import time
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import db as dbmod
+    from . import settings
+    from .target import device_info
+    from .tune import provenance, tune_problem
+
+    info = device_info(None)
+    db_path = Path(args.db) if args.db else settings.user_db_path()
+    storage = args.storage or settings.study_storage_url()
+    if storage.startswith("sqlite:///"):
+        Path(storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    console.print(f"tuning {len(problems)} problem(s) of {op.name} on {info.name} ({info.target.arch}); "
+                  f"DB {db_path}; study storage {storage}")
+    table = Table(title=f"{op.name} on {info.name}")
+    for col in ("problem", "best instance", "us", "spread", "GB/s", "copy-eq eff", "vs default", "failed"):
+        table.add_column(col)
+    start, results = time.monotonic(), []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=console) as bar:
+        for p in problems:
+            left = None if args.total_timeout is None else args.total_timeout - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                console.print("[yellow]total time budget spent; remaining problems not tuned[/]")
+                break
+            timeout = min(x for x in (args.timeout, left) if x is not None) if (args.timeout or left) else None
+            task = bar.add_task(p.key(), total=args.trials, best="-")
+
+            def progress(done: int, total: int, best: float, task: Any = task) -> None:
+                bar.update(task, completed=done, best=f"{best:.1f} us" if best < float("inf") else "-")
+
+            try:
+                r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
+                                 seed=args.seed, on_trial=progress)
+            except RuntimeError as e:
+                err.print(f"[red]{p.key()}: {e}[/]")
+                continue
+            results.append(r)
+            entry = dbmod.Entry(op=op.name, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
+                                problem=p.key(), config=r.best.config.items, instance=r.best.instance,
+                                source_sha256=r.best.sha256, time_us=round(r.best.timing.median_us, 3),
+                                gbps=round(r.gbps, 1),
+                                default_time_us=round(r.default.timing.median_us, 3) if r.default else -1.0,
+                                provenance=tuple(sorted(provenance(r).items())))
+            dbmod.save_entries(db_path, [entry])
+            table.add_row(p.key(), r.best.instance, f"{r.best.timing.median_us:.1f}",
+                          f"{100 * r.best.timing.spread:.0f}%", f"{r.gbps:.0f}", f"{r.efficiency:.2f}",
+                          f"{r.speedup_vs_default:.2f}x", str(len(r.failures)))
+    console.print(table)
+    for r in results:
+        for cfg, why in r.failures[:5]:
+            console.print(f"[yellow]failed[/] {r.problem.key()} {cfg}: {why}")
+    console.print(f"wrote {len(results)} entr{'y' if len(results) == 1 else 'ies'} to {db_path}")
+    return 0 if len(results) == len(problems) else 1
+
+
+def _load_db(args: argparse.Namespace) -> Any:
+    from . import db as dbmod
+    from . import settings
+
+    user = dbmod.InstanceDB.load(Path(args.db) if args.db else settings.user_db_path())
+    return dbmod.InstanceDB.layered(user, dbmod.InstanceDB.load(dbmod.shipped_db_path()))
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from .ops import all_ops
+
+    t = Table(title="ops")
+    for col in ("op", "template", "tunables", "default problems"):
+        t.add_column(col)
+    for op in all_ops():
+        sp = op.space
+        n = len(sp.default_problems.get("shapes", []))
+        t.add_row(op.name, op.template, ", ".join(sp.params), str(n))
+    console.print(t)
+    return cmd_db_show(args)
+
+
+def cmd_db_show(args: argparse.Namespace) -> int:
+    from . import db as dbmod
+
+    try:
+        db = _load_db(args)
+    except dbmod.DBError as e:
+        err.print(f"ckgen: {e}")
+        return 2
+    t = Table(title=f"instance DB ({len(db.entries)} entries)")
+    for col in ("op", "arch", "device", "problem", "instance", "us", "GB/s"):
+        t.add_column(col)
+    for e in db.select(getattr(args, "op", None)):
+        t.add_row(e.op, e.arch, e.device, e.problem, e.instance, f"{e.time_us:.1f}", f"{e.gbps:.0f}")
+    console.print(t)
+    return 0
+
+
+def cmd_db_export(args: argparse.Namespace) -> int:
+    from . import db as dbmod
+
+    try:
+        dbmod.export_csv(_load_db(args), sys.stdout)
+    except dbmod.DBError as e:
+        err.print(f"ckgen: {e}")
+        return 2
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckgen", description="Generate, tune and dispatch GPU kernels.")
+    p.add_argument("--db", help="user instance DB (default: $CKGEN_DB or the user cache dir)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("tune", help="tune an op's problems on this GPU and record winners in the DB")
+    t.add_argument("op")
+    t.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the space's default problems)")
+    t.add_argument("--groups", type=int)
+    t.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"])
+    t.add_argument("--layout", action="append", choices=["nchw", "nhwc"])
+    t.add_argument("--activation", choices=["none", "swish"])
+    t.add_argument("--trials", type=int, default=40, help="measured candidates per problem (default 40)")
+    t.add_argument("--timeout", type=float, help="seconds per problem")
+    t.add_argument("--total-timeout", type=float, help="seconds for the whole run")
+    t.add_argument("--storage", help="optuna storage URL (default: SQLite file in the cache dir)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    t.set_defaults(fn=cmd_tune)
+
+    ls = sub.add_parser("list", help="list ops and DB entries")
+    ls.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    ls.set_defaults(fn=cmd_list)
+
+    d = sub.add_parser("db", help="inspect the instance DB")
+    dsub = d.add_subparsers(dest="dbcmd", required=True)
+    show = dsub.add_parser("show")
+    show.add_argument("--op")
+    show.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    show.set_defaults(fn=cmd_db_show)
+    exp = dsub.add_parser("export", help="CSV to stdout")
+    exp.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    exp.set_defaults(fn=cmd_db_export)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

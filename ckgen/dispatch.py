@@ -1,0 +1,202 @@
+"""Arrays -> Problem -> DB winner or fallback -> compiled kernel -> launch.
+
+Never tunes implicitly. On a DB miss it falls back to the nearest tuned problem whose config
+is valid here, else to the space's default (or the valid config nearest to it), and says so
+once per problem through the `ckgen` logger."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from . import db as dbmod
+from . import settings
+from .codegen import KernelSource
+from .instance import render_instance
+from .ops import get_op
+from .ops.spec import Config, OpSpec, Problem, Target
+
+log = logging.getLogger("ckgen")
+
+
+@dataclass(frozen=True)
+class Choice:
+    op: str
+    problem: str
+    instance: str
+    config: Config
+    source: str  # "tuned" | "nearest" | "default"
+    reason: str
+    entry: Any = None  # the db.Entry it came from, if any
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.problem} -> {self.instance} [{self.source}] {self.reason}"
+
+
+class Dispatcher:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._db: dbmod.InstanceDB | None = None
+        self._choices: dict[tuple[str, str, str, int], tuple[Choice, KernelSource]] = {}
+        self._told: set[tuple[str, str]] = set()
+
+    # ---- the DB view: user DB over shipped DB, stale entries dropped per entry ----
+    def database(self) -> dbmod.InstanceDB:
+        with self._lock:
+            if self._db is None:
+                user = dbmod.InstanceDB.load(settings.user_db_path())
+                shipped = dbmod.InstanceDB.load(dbmod.shipped_db_path())
+                self._db = dbmod.InstanceDB.layered(user, shipped)
+            return self._db
+
+    def reload(self) -> None:
+        with self._lock:
+            self._db = None
+            self._choices.clear()
+            self._told.clear()
+
+    # ---- selection ----
+    def choose(self, op: OpSpec, problem: Problem, target: Target, max_vec_bytes: int = 16) -> tuple[Choice, KernelSource]:
+        key = (op.name, problem.key(), target.arch, max_vec_bytes)
+        hit = self._choices.get(key)
+        if hit is None:
+            hit = self._select(op, problem, target, max_vec_bytes)
+            self._choices[key] = hit
+            choice = hit[0]
+            if choice.source != "tuned" and (op.name, problem.key()) not in self._told and not settings.quiet():
+                self._told.add((op.name, problem.key()))
+                log.warning("ckgen: %s", choice)
+        return hit
+
+    def _usable(self, op: OpSpec, problem: Problem, config: Config, target: Target, max_vec: int) -> str | None:
+        if "vec_bytes" in config.as_dict() and config["vec_bytes"] > max_vec:
+            return f"vec_bytes={config['vec_bytes']} exceeds the pointers' {max_vec}-byte alignment"
+        ok = op.validate(problem, config, target)
+        return None if ok else ok.reason
+
+    def _select(self, op: OpSpec, problem: Problem, target: Target, max_vec: int) -> tuple[Choice, KernelSource]:
+        db = self.database()
+        entry = db.lookup(op.name, target.arch, problem.key())
+        stale = ""
+        if entry is not None:
+            config = Config.of(entry.config_dict())
+            why = self._usable(op, problem, config, target, max_vec)
+            if why is None:
+                src = render_instance(op, problem, config, target)
+                if src.sha256 == entry.source_sha256:
+                    return Choice(op.name, problem.key(), src.name, config, "tuned",
+                                  f"DB entry ({entry.time_us:.1f} us on {entry.device})", entry), src
+                stale = "tuned entry is stale (template changed since tuning); "
+            else:
+                stale = f"tuned entry unusable ({why}); "
+        near = sorted((e for e in db.select(op.name, target.arch) if e.problem != problem.key()),
+                      key=lambda e: op.distance(problem, op.problem_from_key(e.problem)))
+        for e in near:
+            config = Config.of(e.config_dict())
+            if self._usable(op, problem, config, target, max_vec) is None:
+                src = render_instance(op, problem, config, target)
+                return Choice(op.name, problem.key(), src.name, config, "nearest",
+                              f"{stale}not tuned; using the winner of the nearest tuned problem {e.problem}", e), src
+        space = op.space
+        for config in [space.default, *space.by_distance_from_default()]:
+            if self._usable(op, problem, config, target, max_vec) is None:
+                src = render_instance(op, problem, config, target)
+                what = "the default config" if config == space.default else "the valid config nearest the default"
+                return Choice(op.name, problem.key(), src.name, config, "default",
+                              f"{stale}not tuned and no tuned neighbour fits; using {what} "
+                              f"(run `ckgen tune {op.name}` for this shape)"), src
+        raise ValueError(f"{op.name}: no config of the tuning space can run {problem.key()}")
+
+
+_dispatcher = Dispatcher()
+
+
+def dispatcher() -> Dispatcher:
+    return _dispatcher
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------
+def _groupnorm_problem(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any, activation: Any):
+    from .tensors import as_device_tensor, check_vector, layout_of
+
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"groups: expected a positive int, got {groups!r}")
+    if not isinstance(eps, (int, float)) or not (eps >= 0) or eps == float("inf"):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    if activation not in (None, "none", "swish"):
+        raise ValueError(f"activation: expected None or 'swish', got {activation!r}")
+    xt = as_device_tensor(x, "x")
+    layout = layout_of(xt, "x")
+    N, C, H, W = xt.shape
+    if C % groups:
+        raise ValueError(f"groups: C={C} is not divisible by groups={groups}")
+    gt = as_device_tensor(gamma, "gamma") if gamma is not None else None
+    bt = as_device_tensor(beta, "beta") if beta is not None else None
+    check_vector(gt, "gamma", C, xt.dtype, xt.device)
+    check_vector(bt, "beta", C, xt.dtype, xt.device)
+    op = get_op("groupnorm_fwd")
+    problem = op.parse_problem(N=N, C=C, H=H, W=W, G=groups, dtype=xt.dtype, layout=layout,
+                               activation=activation or "none")
+    return op, problem, xt, gt, bt
+
+
+def groupnorm_fwd(x: Any, gamma: Any, beta: Any, groups: int, eps: float = 1e-5,
+                  activation: str | None = None) -> tuple[Any, Any, Any]:
+    """y, mean, rstd = GroupNorm(x) (then swish if activation='swish'); mean/rstd fp32 (N, G).
+    Same semantics as torch.nn.functional.group_norm; y keeps x's memory layout."""
+    import cupy
+
+    from .compile import load_kernel
+    from .target import device_info
+    from .tensors import alignment, data_ptr, empty_f32, empty_like_layout, stream_for
+
+    op, problem, xt, gt, bt = _groupnorm_problem(x, gamma, beta, groups, eps, activation)
+    with cupy.cuda.Device(xt.device):
+        target = device_info(xt.device).target
+        y = empty_like_layout(xt, xt.shape, problem.layout)
+        mean = empty_f32(xt, (problem.N, problem.G))
+        rstd = empty_f32(xt, (problem.N, problem.G))
+        ptrs = {"x": xt.ptr, "y": data_ptr(y), "mean": data_ptr(mean), "rstd": data_ptr(rstd)}
+        if gt is not None:
+            ptrs["gamma"] = gt.ptr
+        if bt is not None:
+            ptrs["beta"] = bt.ptr
+        max_vec = alignment(xt.ptr, ptrs["y"], ptrs.get("gamma", 0), ptrs.get("beta", 0))
+        choice, src = _dispatcher.choose(op, problem, target, max_vec)
+        kernel = load_kernel(src)
+        launch = op.launch(problem, choice.config, target)
+        with stream_for(xt):
+            kernel(launch.grid, launch.block, op.kernel_args(problem, ptrs, float(eps)),
+                   shared_mem=launch.shared_mem)
+    return y, mean, rstd
+
+
+def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
+    """Which instance would this call use, and why? `explain("groupnorm_fwd", x, gamma, beta, 32)`
+    or with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
+    layout="nhwc", arch="sm_90")`. Launches nothing."""
+    op = get_op(op_name)
+    if args:
+        if op_name != "groupnorm_fwd":
+            raise ValueError(f"op: explain with tensors is implemented for groupnorm_fwd, not {op_name}")
+        from .target import device_info
+
+        names = ("x", "gamma", "beta", "groups", "eps", "activation")
+        call = dict(zip(names, args), **kwargs)
+        call.setdefault("eps", 1e-5)
+        call.setdefault("activation", None)
+        op, problem, xt, *_ = _groupnorm_problem(**{k: call.get(k) for k in names})
+        target = device_info(xt.device).target
+    else:
+        arch = kwargs.pop("arch", None)
+        if arch is None:
+            from .target import current_target
+
+            target = current_target()
+        else:
+            target = Target.named(arch)
+        problem = op.parse_problem(**kwargs)
+    return _dispatcher.choose(op, problem, target)[0]

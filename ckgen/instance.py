@@ -1,0 +1,16 @@
+"""An instance: one op's config rendered for one target. Shared by tuner, dispatcher, library."""
+from __future__ import annotations
+
+from .codegen import KernelSource, render
+from .ops.spec import Config, OpSpec, Problem, Target
+
+
+class InvalidConfig(ValueError):
+    """A config that cannot run a problem; the message is the validator's reason."""
+
+
+def render_instance(op: OpSpec, problem: Problem, config: Config, target: Target) -> KernelSource:
+    ok = op.validate(problem, config, target)
+    if not ok:
+        raise InvalidConfig(f"{op.name} {config.key()}: {ok.reason}")
+    return render(op.template, op.instance_name(problem, config), op.render_context(problem, config, target))

@@ -1,0 +1,191 @@
+"""One optuna study per problem: TPE, seeded with the default config, invalid configs pruned
+with their reason before any compile, wrong or failing candidates recorded as failed trials,
+budgets in trials and seconds, resumable from optuna storage (SQLite under the cache dir)."""
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .bench import Timer, Timing, gbps
+from .compile import CompileError, load_kernel
+from .instance import render_instance
+from .ops.spec import Config, OpSpec, Problem, Target
+from .target import DeviceInfo
+from .verify import Harness
+
+# A trial the sampler proposed whose config the op rejects costs no compile; still, stop
+# a study that proposes almost nothing valid.
+MAX_PRUNED_PER_TRIAL = 50
+
+
+class TrialFailed(Exception):
+    """A candidate that failed to compile, launch, or verify: recorded, never a winner."""
+
+
+@dataclass
+class Measured:
+    config: Config
+    instance: str
+    sha256: str
+    timing: Timing
+
+
+@dataclass
+class TuneResult:
+    op: str
+    problem: Problem
+    best: Measured
+    default: Measured | None
+    copy: Timing
+    min_bytes: int
+    trials: int
+    pruned: int
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (config key, reason)
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return gbps(self.min_bytes, self.best.timing.median_us)
+
+    @property
+    def efficiency(self) -> float:
+        return self.copy.median_us / self.best.timing.median_us
+
+    @property
+    def speedup_vs_default(self) -> float:
+        return self.default.timing.median_us / self.best.timing.median_us if self.default else float("nan")
+
+
+def study_name(op: OpSpec, problem: Problem, target: Target) -> str:
+    return f"{op.name}|{target.arch}|{problem.key()}"
+
+
+class _Objective:
+    def __init__(self, op: OpSpec, problem: Problem, target: Target, harness: Harness, timer: Timer):
+        self.op, self.problem, self.target, self.h, self.timer = op, problem, target, harness, timer
+        self.space = op.space
+        self.failures: list[tuple[str, str]] = []
+        self.measured: dict[Config, Measured] = {}
+        self.pruned = 0
+
+    def measure(self, config: Config) -> Measured:
+        if config in self.measured:
+            return self.measured[config]
+        src = render_instance(self.op, self.problem, config, self.target)
+        try:
+            kernel = load_kernel(src)
+        except CompileError as e:
+            raise TrialFailed(f"compile error: {e.log.strip().splitlines()[-1] if e.log.strip() else e}") from None
+        launch = self.op.launch(self.problem, config, self.target)
+        run = self.h.launcher(kernel, launch)
+        try:
+            check = self.h.check(run)
+        except Exception as e:  # launch failures (out of resources, illegal address) fail the trial
+            raise TrialFailed(f"launch error: {e.__class__.__name__}: {e}") from None
+        if not check.ok:
+            raise TrialFailed(f"wrong result: {check.detail}")
+        m = Measured(config, src.name, src.sha256, self.timer.time(run))
+        self.measured[config] = m
+        return m
+
+    def __call__(self, trial: Any) -> float:
+        import optuna
+
+        values = {name: trial.suggest_categorical(name, list(choices))
+                  for name, choices in self.space.params.items()}
+        config = Config.of(values)
+        ok = self.op.validate(self.problem, config, self.target)
+        if not ok:
+            self.pruned += 1
+            trial.set_user_attr("invalid", ok.reason)
+            raise optuna.TrialPruned(ok.reason)
+        try:
+            m = self.measure(config)
+        except TrialFailed as e:
+            trial.set_user_attr("failure", str(e))
+            self.failures.append((config.key(), str(e)))
+            raise
+        trial.set_user_attr("instance", m.instance)
+        trial.set_user_attr("spread", m.timing.spread)
+        return m.timing.median_us
+
+
+def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
+                 timeout: float | None = None, storage: str | None = None, seed: int = 0,
+                 on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
+    """Tune one problem. `trials` counts measured (valid) candidates; pruned ones are free.
+    `on_trial(done, total, best_us)` reports progress."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    t0 = time.monotonic()
+    target = info.target
+    timer = Timer(info.l2_bytes)
+    harness = Harness(op, problem, seed=None)  # fresh random inputs every run
+    obj = _Objective(op, problem, target, harness, timer)
+    study = optuna.create_study(study_name=study_name(op, problem, target), storage=storage,
+                                load_if_exists=True, direction="minimize",
+                                sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=8))
+    default_ok = op.validate(problem, op.space.default, target)
+    if default_ok:
+        study.enqueue_trial(op.space.default.as_dict(), skip_if_exists=True)
+    done_before = sum(t.state.is_finished() and t.state != optuna.trial.TrialState.PRUNED for t in study.trials)
+    goal = done_before + trials
+
+    def stop_when_done(study: Any, trial: Any) -> None:
+        measured = sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+                       for t in study.trials)
+        best = min((m.timing.median_us for m in obj.measured.values()), default=math.inf)
+        if on_trial:
+            on_trial(measured - done_before, trials, best)
+        if measured >= goal or obj.pruned > MAX_PRUNED_PER_TRIAL * max(trials, 1):
+            study.stop()
+
+    study.optimize(obj, n_trials=None, timeout=timeout, catch=(TrialFailed,), callbacks=[stop_when_done])
+
+    # Winner: re-measure the best few of this study (incl. earlier sessions) in this run.
+    done = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
+                  key=lambda t: t.value)
+    finalists: list[Measured] = []
+    for t in done[:3]:
+        cfg = Config.of(t.params)
+        if op.validate(problem, cfg, target):
+            try:
+                finalists.append(obj.measure(cfg))
+            except TrialFailed as e:
+                obj.failures.append((cfg.key(), str(e)))
+    default_m = None
+    if default_ok:
+        try:
+            default_m = obj.measure(op.space.default)
+            finalists.append(default_m)
+        except TrialFailed as e:
+            obj.failures.append((op.space.default.key(), str(e)))
+    if not finalists:
+        raise RuntimeError(f"{op.name} {problem.key()}: no candidate passed verification; "
+                           f"failures: {obj.failures[:3]}")
+    best = min(finalists, key=lambda m: m.timing.median_us)
+    copy = timer.copy_time(op.min_bytes(problem))
+    return TuneResult(op.name, problem, best, default_m, copy, op.min_bytes(problem),
+                      trials=sum(1 for _ in obj.measured), pruned=obj.pruned,
+                      failures=obj.failures, seconds=time.monotonic() - t0)
+
+
+def provenance(result: TuneResult) -> dict[str, Any]:
+    import cupy
+
+    from . import __version__
+
+    rt = cupy.cuda.runtime
+    return {
+        "ckgen": __version__,
+        "cupy": cupy.__version__,
+        "cuda_runtime": int(rt.runtimeGetVersion()),
+        "cuda_driver": int(rt.driverGetVersion()),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "trials": result.trials,
+        "tuning_seconds": round(result.seconds, 1),
+    }

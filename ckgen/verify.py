@@ -1,0 +1,57 @@
+"""Correctness gate: a candidate runs on fresh random inputs with poisoned (NaN) outputs and is
+compared with the op's float64 reference, every output, with the op's tolerances per dtype."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .ops.numeric import max_violation
+from .ops.spec import OpSpec, Problem
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool
+    detail: str  # worst output and its error relative to the tolerance (<= 1 passes)
+
+
+class Harness:
+    """One problem's device inputs, its reference outputs, and output buffers to poison."""
+
+    def __init__(self, op: OpSpec, problem: Problem, seed: int | None = None, eps: float = 1e-5,
+                 inputs: dict[str, np.ndarray] | None = None):
+        import cupy
+
+        self.op, self.problem, self.eps = op, problem, eps
+        self.inputs = inputs if inputs is not None else op.make_inputs(problem, np.random.default_rng(seed))
+        self.ref = op.reference(problem, self.inputs, eps=eps)
+        self.dev_in = {k: cupy.asarray(v) for k, v in op.pack_inputs(problem, self.inputs).items()}
+        self.dev_out = {k: cupy.empty(n, dt) for k, (n, dt) in op.output_buffers(problem).items()}
+        ptrs = {k: a.data.ptr for k, a in {**self.dev_in, **self.dev_out}.items()}
+        self.args = op.kernel_args(problem, ptrs, eps)
+
+    def launcher(self, kernel: Any, launch: Any) -> Callable[[], None]:
+        args, grid, block, smem = self.args, launch.grid, launch.block, launch.shared_mem
+        return lambda: kernel(grid, block, args, shared_mem=smem)
+
+    def poison(self) -> None:
+        for a in self.dev_out.values():
+            a.view("uint8").fill(0xFF)  # all-ones bits: NaN in fp32, fp16 and bf16
+
+    def check(self, run: Callable[[], None]) -> Check:
+        import cupy
+
+        self.poison()
+        run()
+        cupy.cuda.get_current_stream().synchronize()
+        got = self.op.unpack_outputs(self.problem, {k: cupy.asnumpy(v) for k, v in self.dev_out.items()})
+        worst, worst_name = 0.0, ""
+        for name, ref in self.ref.items():
+            tol = self.op.tolerance(self.problem.dtype, name)
+            v = max_violation(got[name], ref, tol.atol, tol.rtol)
+            if v > worst or not worst_name:
+                worst, worst_name = v, name
+        ok = worst <= 1.0
+        return Check(ok, f"{worst_name}: error {worst:.3g}x tolerance" + ("" if ok else " (unwritten or wrong)"))

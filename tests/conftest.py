@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run only where a GPU is usable; elsewhere they are skipped with the reason."""
+    from ckgen.target import gpu_status
+
+    why = gpu_status()
+    if why is None:
+        return
+    skip = pytest.mark.skip(reason=f"no GPU: {why}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_db(tmp_path, monkeypatch):
+    """Every test gets its own user DB and cache dir; the user's real DB is never touched."""
+    monkeypatch.setenv("CKGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CKGEN_DB", str(tmp_path / "cache" / "instances.yaml"))
+    yield

@@ -90,7 +90,10 @@ def test_configs_match_reference(dtype, layout, act, shape, target):
 
 @pytest.mark.parametrize("dtype,layout", [("fp32", "nchw"), ("bf16", "nhwc"), ("fp16", "nchw")])
 def test_cancellation_large_mean(dtype, layout, target):
-    """x = 1000 + small noise: the variance must not cancel."""
+    """x = 1000 + small noise: the variance must not cancel. mean and rstd are held to the usual
+    tolerance. y = x*scale + shift with |shift| ~ |mean|*rstd loses log2(|mean|/std) ~ 10 bits of
+    fp32 in that one FMA (PyTorch's kernel has the same form), so y's tolerance is widened 8x for
+    fp32 only; a cancelling variance would be off by orders of magnitude, not by 8x."""
     from ckgen.compile import load_kernel
     from ckgen.verify import Harness
 
@@ -101,7 +104,8 @@ def test_cancellation_large_mean(dtype, layout, target):
         inputs = OP.make_inputs(p, rng, offset=100.0 if dtype == "fp16" else 30.0)
     h = Harness(OP, p, inputs=inputs)
     for c in _configs(p, target, 6, 7):
-        chk = h.check(h.launcher(load_kernel(render_instance(OP, p, c, target)), OP.launch(p, c, target)))
+        run = h.launcher(load_kernel(render_instance(OP, p, c, target)), OP.launch(p, c, target))
+        chk = h.check(run, widen={"y": 8.0} if dtype == "fp32" else None)
         assert chk.ok, f"{c.key()}: {chk.detail}"
 
 

@@ -132,6 +132,8 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     default_ok = op.validate(problem, op.space.default, target)
     if default_ok:
         study.enqueue_trial(op.space.default.as_dict(), skip_if_exists=True)
+    for seed_cfg in op.seed_configs(problem, target, info.num_sms, count=max(2, min(8, trials // 4))):
+        study.enqueue_trial(seed_cfg.as_dict(), skip_if_exists=True)
     done_before = sum(t.state.is_finished() and t.state != optuna.trial.TrialState.PRUNED for t in study.trials)
     goal = done_before + trials
 

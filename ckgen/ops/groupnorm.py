@@ -108,6 +108,8 @@ class GroupNormFwd(OpSpec):
         if p.Cg * p.HW // vec > _INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
         regs_needed = (items * vec if config["slice_in"] == "regs" else items * vec // 2) + 32
+        if p.layout == "nhwc":
+            regs_needed += 3 * vec  # per-channel sums and shifts
         if regs_needed > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
@@ -125,9 +127,12 @@ class GroupNormFwd(OpSpec):
         else:
             if p.G % gpb:
                 return Support.no(f"groups_per_block={gpb} does not divide G={p.G}")
-            if p.Cg % vec:
-                return Support.no(f"vector of {vec} does not divide channels per group C/G={p.Cg}")
-            cols = gpb * (p.Cg // vec)
+            ch = gpb * p.Cg
+            if ch % vec:
+                return Support.no(f"vector of {vec} does not divide the tile's {ch} channels ({gpb} groups x {p.Cg})")
+            if ch > 2048:
+                return Support.no(f"tile of {ch} channels exceeds 2048 (shared-memory channel sums)")
+            cols = ch // vec
             if cols > threads:
                 return Support.no(f"{cols} vector columns ({gpb} groups x {p.Cg} channels) exceed threads={threads}")
             rows = threads // cols
@@ -142,6 +147,21 @@ class GroupNormFwd(OpSpec):
         if tiles > _INT32_MAX:
             return Support.no("grid too large")
         return Support.yes()
+
+    def seed_configs(self, p: GroupNormProblem, target: Target, num_sms: int, count: int) -> list[Config]:
+        """The valid configs a simple model likes best: wide vectors, x read once (regs), enough
+        blocks to fill every SM, several blocks per SM, few registers."""
+        def score(c: Config) -> float:
+            blocks = self.launch(p, c, target).grid[0]
+            per_sm = max(1, min(c["min_blocks"], 2048 // c["threads"]))
+            fill = min(1.0, blocks / (num_sms * per_sm))
+            waves = blocks / (num_sms * per_sm)
+            tail = (math.ceil(waves) - waves) / math.ceil(waves) if waves > 1 else 0.0
+            return (2.0 * c["vec_bytes"] / 16 + 1.5 * (c["slice_in"] == "regs") + 2.0 * fill - tail
+                    + 0.5 * (c["threads"] * c["min_blocks"] >= 1024) - c["items"] * self.vec_elems(p, c) / 64)
+
+        valid = [c for c in self.space.enumerate() if self.validate(p, c, target)]
+        return sorted(valid, key=score, reverse=True)[:count]
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config

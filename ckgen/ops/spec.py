@@ -152,6 +152,10 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def tolerance(self, dtype: str, output: str) -> Tolerance: ...
 
+    def seed_configs(self, problem: Any, target: Target, num_sms: int, count: int) -> list[Config]:
+        """Configs a tuner should measure first (a warm start); by default none."""
+        return []
+
     # ---- device buffers, as flat host arrays in device memory order (used by verify/bench) ----
     @abc.abstractmethod
     def pack_inputs(self, problem: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...

@@ -24,7 +24,7 @@ def from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
     """The inverse of to_storage, to float64."""
     if dtype == "bf16":
         return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
+    return a.astype(np.float64)  # NumPy or CuPy alike
 
 
 def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
@@ -32,17 +32,27 @@ def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
     return from_storage(to_storage(a, dtype), dtype)
 
 
-def max_violation(out: np.ndarray, ref: np.ndarray, atol: float, rtol: float) -> float:
-    """Largest |out-ref| / (atol + rtol*|ref|); <= 1 passes. NaN anywhere (not in ref) fails."""
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
+def array_module(a):
+    """numpy, or cupy for CuPy arrays (so checks can run where the data is)."""
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def max_violation(out, ref, atol: float, rtol: float) -> float:
+    """Largest |out-ref| / (atol + rtol*|ref|); <= 1 passes. NaN anywhere (not in ref) fails.
+    Works on NumPy or CuPy arrays (both of one kind)."""
+    xp = array_module(out)
+    out = xp.asarray(out).astype(xp.float64)
+    ref = xp.asarray(ref).astype(xp.float64)
     if out.shape != ref.shape:
         return float("inf")
-    bad_nan = np.isnan(out) != np.isnan(ref)
-    if bad_nan.any():
+    if bool((xp.isnan(out) != xp.isnan(ref)).any()):
         return float("inf")
-    ok = ~np.isnan(ref)
-    if not ok.any():
+    ok = ~xp.isnan(ref)
+    if not bool(ok.any()):
         return 0.0
-    err = np.abs(out[ok] - ref[ok]) / (atol + rtol * np.abs(ref[ok]))
+    err = xp.abs(out[ok] - ref[ok]) / (atol + rtol * xp.abs(ref[ok]))
     return float(err.max()) if err.size else 0.0

@@ -62,8 +62,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
     info = device_info(None)
     db_path = Path(args.db) if args.db else settings.user_db_path()
     storage = args.storage or settings.study_storage_url()
-    if storage.startswith("sqlite:///"):
-        Path(storage[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     console.print(f"tuning {len(problems)} problem(s) of {op.name} on {info.name} ({info.target.arch}); "
                   f"DB {db_path}; study storage {storage}")
     table = Table(title=f"{op.name} on {info.name}")

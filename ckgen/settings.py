@@ -20,6 +20,8 @@ def user_db_path() -> Path:
 
 
 def study_storage_url() -> str:
+    """Default optuna storage: a SQLite file in the cache dir (created if missing)."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{cache_dir() / 'studies.sqlite3'}"
 
 

@@ -157,7 +157,15 @@ def stream_for(t: DeviceTensor) -> Any:
     import cupy
 
     if t.kind == "torch":
+        import warnings
+
         import torch
 
-        return cupy.cuda.ExternalStream(torch.cuda.current_stream(t.obj.device).cuda_stream, t.device)
+        ts = torch.cuda.current_stream(t.obj.device)
+        try:
+            return cupy.cuda.Stream.from_external(ts)  # CuPy 14: the CUDA stream protocol
+        except Exception:  # older CuPy or torch without __cuda_stream__
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return cupy.cuda.ExternalStream(ts.cuda_stream, t.device)
     return cupy.cuda.get_current_stream()

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
-err = Console(stderr=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 def _csv_ints(text: str) -> list[int]:

@@ -60,7 +60,11 @@ class TuneResult:
 
 
 def study_name(op: OpSpec, problem: Problem, target: Target) -> str:
-    return f"{op.name}|{target.arch}|{problem.key()}"
+    """Resuming a study is only sound while the templates are unchanged: their digest is part
+    of the name, so an edited template starts a fresh study instead of trusting old timings."""
+    from .codegen import templates_digest
+
+    return f"{op.name}|{target.arch}|{problem.key()}|{templates_digest()[:12]}"
 
 
 class _Objective:

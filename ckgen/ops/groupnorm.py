@@ -107,7 +107,8 @@ class GroupNormFwd(OpSpec):
             return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
         if p.Cg * p.HW // vec > _INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
-        regs_needed = (items * vec if config["slice_in"] == "regs" else items * vec // 2) + 32
+        # regs: x held packed (itemsize bytes per value); reload: vectors in flight, unpacked
+        regs_needed = (items * vec * item // 4 if config["slice_in"] == "regs" else items * vec // 2) + 32
         if p.layout == "nhwc":
             regs_needed += 3 * vec  # per-channel sums and shifts
         if regs_needed > _regs_per_thread(config):
@@ -157,11 +158,21 @@ class GroupNormFwd(OpSpec):
             fill = min(1.0, blocks / (num_sms * per_sm))
             waves = blocks / (num_sms * per_sm)
             tail = (math.ceil(waves) - waves) / math.ceil(waves) if waves > 1 else 0.0
-            return (2.0 * c["vec_bytes"] / 16 + 1.5 * (c["slice_in"] == "regs") + 2.0 * fill - tail
-                    + 0.5 * (c["threads"] * c["min_blocks"] >= 1024) - c["items"] * self.vec_elems(p, c) / 64)
+            step = c["threads"] * c["items"] * c["vec_bytes"]  # bytes a block loads per step
+            return (2.0 * c["vec_bytes"] / 16 + 2.0 * fill - tail + (16 << 10 <= step <= 64 << 10)
+                    + 0.5 * (c["threads"] * c["min_blocks"] >= 1024))
 
-        valid = [c for c in self.space.enumerate() if self.validate(p, c, target)]
-        return sorted(valid, key=score, reverse=True)[:count]
+        valid = sorted((c for c in self.space.enumerate() if self.validate(p, c, target)), key=score, reverse=True)
+        # Diverse seeds: the best of each (slice_in, cluster) family first, then the next best.
+        picked: list[Config] = []
+        seen: set[tuple[str, int]] = set()
+        for c in valid:
+            fam = (c["slice_in"], c["cluster"])
+            if fam not in seen:
+                seen.add(fam)
+                picked.append(c)
+        picked += [c for c in valid if c not in picked]
+        return picked[:count]
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config

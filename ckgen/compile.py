@@ -1,11 +1,23 @@
-"""Compile rendered kernels: offline to a cubin for a named arch (no GPU needed), or into a
-CuPy RawModule on the current device, cached per (device, instance source)."""
+"""Compile rendered kernels.
+
+- `compile_offline`: NVRTC -> cubin for a named arch. Needs only libnvrtc, no GPU, no CUDA
+  context, so it runs in CI and in worker processes.
+- `compile_many`: the same for many sources, in parallel processes (compile is the slow part
+  of tuning), deduplicated by source hash, each result stored in the on-disk cubin cache.
+- `load_kernel`: a CuPy kernel for the current device: memory cache, then the disk cache
+  (`<cache>/kernels/<arch>/<name>-<sha12>.cubin`), then NVRTC."""
 from __future__ import annotations
 
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from . import settings
 from .codegen import KernelSource
 from .ops.spec import Target
 
@@ -46,13 +58,68 @@ def compile_offline(src: KernelSource, target: Target) -> Binary:
         nvrtc.destroyProgram(prog)
 
 
+def cubin_path(src: KernelSource, arch: str) -> Path:
+    return settings.cache_dir() / "kernels" / arch / f"{src.name}-{src.sha256[:12]}.cubin"
+
+
+def _store(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # atomic: readers never see a partial cubin
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def ensure_cubin(src: KernelSource, target: Target) -> Path:
+    """The cached cubin for (src, arch), compiling it if missing. Raises CompileError."""
+    path = cubin_path(src, target.arch)
+    if not path.is_file():
+        _store(path, compile_offline(src, target).cubin)
+    return path
+
+
+def _worker(args: tuple[KernelSource, Target]) -> str | None:
+    src, target = args
+    try:
+        ensure_cubin(src, target)
+        return None
+    except CompileError as e:
+        return f"{src.name}: {e.log.strip()[-400:]}"
+
+
+_pool: cf.ProcessPoolExecutor | None = None
+
+
+def compile_many(sources: list[KernelSource], target: Target, workers: int | None = None) -> dict[str, str]:
+    """Compile every source (deduplicated by hash) into the disk cache, in parallel.
+    Returns {instance name: compiler message} for those that failed; the rest are cached."""
+    global _pool
+    todo = {s.sha256: s for s in sources if not cubin_path(s, target.arch).is_file()}
+    if not todo:
+        return {}
+    workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
+    if len(todo) == 1 or workers == 1:
+        out = [_worker((s, target)) for s in todo.values()]
+    else:
+        if _pool is None:
+            _pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+        out = list(_pool.map(_worker, [(s, target) for s in todo.values()]))
+    return {msg.split(":", 1)[0]: msg for msg in out if msg}
+
+
 _cache: dict[tuple[int, str], Any] = {}
 _lock = threading.Lock()
 
 
-def load_kernel(src: KernelSource) -> Any:
-    """A cupy.RawKernel for `src` on the current device (compiled once per device and source)."""
+def load_kernel(src: KernelSource, target: Target | None = None) -> Any:
+    """A CuPy kernel for `src` on the current device (compiled once per arch and source)."""
     import cupy
+
+    from .target import device_info
 
     dev = cupy.cuda.Device().id
     key = (dev, src.sha256)
@@ -60,36 +127,15 @@ def load_kernel(src: KernelSource) -> Any:
         kern = _cache.get(key)
     if kern is not None:
         return kern
-    try:
-        mod = cupy.RawModule(code=src.code, options=NVRTC_OPTIONS, name_expressions=None)
-        kern = mod.get_function(src.name)
-        kern.compile()
-    except cupy.cuda.compiler.CompileException as e:
-        raise CompileError(src.name, str(e)) from None
+    target = target or device_info(dev).target
+    if target.vendor == "cuda":
+        path = ensure_cubin(src, target)
+        kern = cupy.RawModule(path=str(path)).get_function(src.name)
+    else:  # ROCm builds of CuPy: hiprtc through RawModule (not exercised here: no AMD GPU)
+        try:
+            kern = cupy.RawModule(code=src.code, options=("-std=c++17",)).get_function(src.name)
+        except cupy.cuda.compiler.CompileException as e:
+            raise CompileError(src.name, str(e)) from None
     with _lock:
         _cache[key] = kern
     return kern
-
-
-def _prewarm_one(code: str, name: str) -> str | None:
-    import cupy
-
-    try:
-        cupy.RawModule(code=code, options=NVRTC_OPTIONS).get_function(name).compile()
-        return None
-    except Exception as e:  # reported, not raised: the caller compiles again and sees it
-        return f"{name}: {e}"
-
-
-def prewarm(sources: list[KernelSource], workers: int = 8) -> list[str]:
-    """Compile many sources in parallel processes so that CuPy's on-disk kernel cache holds
-    them; later `load_kernel` calls in this process then only load. Returns failures."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    uniq = {s.sha256: s for s in sources}
-    if len(uniq) < 4 or workers < 2:
-        return []
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        out = ex.map(_prewarm_one, [s.code for s in uniq.values()], [s.name for s in uniq.values()])
-        return [r for r in out if r]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .bench import Timer, Timing, gbps
-from .compile import CompileError, load_kernel
+from .compile import CompileError, compile_many, load_kernel
 from .instance import render_instance
 from .ops.spec import Config, OpSpec, Problem, Target
 from .target import DeviceInfo
@@ -73,16 +73,24 @@ class _Objective:
         self.space = op.space
         self.failures: list[tuple[str, str]] = []
         self.measured: dict[Config, Measured] = {}
+        self.compile_errors: dict[str, str] = {}
         self.pruned = 0
+
+    def prepare(self, configs: list[Config]) -> None:
+        """Compile a batch in parallel worker processes (compile is the slow part)."""
+        srcs = [render_instance(self.op, self.problem, c, self.target) for c in configs if c not in self.measured]
+        self.compile_errors.update(compile_many(srcs, self.target))
 
     def measure(self, config: Config) -> Measured:
         if config in self.measured:
             return self.measured[config]
         src = render_instance(self.op, self.problem, config, self.target)
+        if src.name in self.compile_errors:
+            raise TrialFailed(f"compile error: {self.compile_errors[src.name]}")
         try:
-            kernel = load_kernel(src)
+            kernel = load_kernel(src, self.target)
         except CompileError as e:
-            raise TrialFailed(f"compile error: {e.log.strip().splitlines()[-1] if e.log.strip() else e}") from None
+            raise TrialFailed(f"compile error: {e.log.strip()[-300:]}") from None
         launch = self.op.launch(self.problem, config, self.target)
         run = self.h.launcher(kernel, launch)
         try:
@@ -95,33 +103,14 @@ class _Objective:
         self.measured[config] = m
         return m
 
-    def __call__(self, trial: Any) -> float:
-        import optuna
-
-        values = {name: trial.suggest_categorical(name, list(choices))
-                  for name, choices in self.space.params.items()}
-        config = Config.of(values)
-        ok = self.op.validate(self.problem, config, self.target)
-        if not ok:
-            self.pruned += 1
-            trial.set_user_attr("invalid", ok.reason)
-            raise optuna.TrialPruned(ok.reason)
-        try:
-            m = self.measure(config)
-        except TrialFailed as e:
-            trial.set_user_attr("failure", str(e))
-            self.failures.append((config.key(), str(e)))
-            raise
-        trial.set_user_attr("instance", m.instance)
-        trial.set_user_attr("spread", m.timing.spread)
-        return m.timing.median_us
-
 
 def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
                  timeout: float | None = None, storage: str | None = None, seed: int = 0,
+                 batch: int = 16,
                  on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
     """Tune one problem. `trials` counts measured (valid) candidates; pruned ones are free.
-    `on_trial(done, total, best_us)` reports progress."""
+    Candidates are asked from optuna in batches of `batch`, compiled in parallel, then verified
+    and timed one by one. `on_trial(done, total, best_us)` reports progress."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -138,25 +127,52 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
         study.enqueue_trial(op.space.default.as_dict(), skip_if_exists=True)
     for seed_cfg in op.seed_configs(problem, target, info.num_sms, count=max(2, min(8, trials // 4))):
         study.enqueue_trial(seed_cfg.as_dict(), skip_if_exists=True)
-    done_before = sum(t.state.is_finished() and t.state != optuna.trial.TrialState.PRUNED for t in study.trials)
-    goal = done_before + trials
-
-    def stop_when_done(study: Any, trial: Any) -> None:
-        measured = sum(t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-                       for t in study.trials)
-        best = min((m.timing.median_us for m in obj.measured.values()), default=math.inf)
-        if on_trial:
-            on_trial(measured - done_before, trials, best)
-        if measured >= goal or obj.pruned > MAX_PRUNED_PER_TRIAL * max(trials, 1):
-            study.stop()
-
-    study.optimize(obj, n_trials=None, timeout=timeout, catch=(TrialFailed,), callbacks=[stop_when_done])
+    States = optuna.trial.TrialState
+    n_valid = sum(1 for c in op.space.enumerate() if op.validate(problem, c, target))
+    trials = min(trials, n_valid)  # a small space is simply measured whole
+    done, asked = 0, 0
+    best = math.inf
+    while done < trials and (timeout is None or time.monotonic() - t0 < timeout):
+        pending: list[tuple[Any, Config]] = []
+        while len(pending) < min(batch, trials - done) and asked < MAX_PRUNED_PER_TRIAL * max(trials, 1):
+            asked += 1
+            trial = study.ask()
+            config = Config.of({n: trial.suggest_categorical(n, list(ch)) for n, ch in op.space.params.items()})
+            ok = op.validate(problem, config, target)
+            if not ok:
+                obj.pruned += 1
+                trial.set_user_attr("invalid", ok.reason)
+                study.tell(trial, state=States.PRUNED)
+            elif config in obj.measured or any(config == c for _, c in pending):
+                if config in obj.measured:  # a repeat: its value is known, no new measurement
+                    study.tell(trial, obj.measured[config].timing.median_us)
+                else:
+                    study.tell(trial, state=States.PRUNED)
+            else:
+                pending.append((trial, config))
+        if not pending:
+            break
+        obj.prepare([c for _, c in pending])
+        for trial, config in pending:
+            try:
+                m = obj.measure(config)
+            except TrialFailed as e:
+                trial.set_user_attr("failure", str(e))
+                obj.failures.append((config.key(), str(e)))
+                study.tell(trial, state=States.FAIL)
+            else:
+                trial.set_user_attr("instance", m.instance)
+                trial.set_user_attr("spread", round(m.timing.spread, 4))
+                study.tell(trial, m.timing.median_us)
+                best = min(best, m.timing.median_us)
+            done += 1
+            if on_trial:
+                on_trial(done, trials, best)
 
     # Winner: re-measure the best few of this study (incl. earlier sessions) in this run.
-    done = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
-                  key=lambda t: t.value)
+    finished = sorted((t for t in study.trials if t.state == States.COMPLETE), key=lambda t: t.value)
     finalists: list[Measured] = []
-    for t in done[:3]:
+    for t in finished[:3]:
         cfg = Config.of(t.params)
         if op.validate(problem, cfg, target):
             try:
@@ -173,10 +189,10 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     if not finalists:
         raise RuntimeError(f"{op.name} {problem.key()}: no candidate passed verification; "
                            f"failures: {obj.failures[:3]}")
-    best = min(finalists, key=lambda m: m.timing.median_us)
+    best_m = min(finalists, key=lambda m: m.timing.median_us)
     copy = timer.copy_time(op.min_bytes(problem))
-    return TuneResult(op.name, problem, best, default_m, copy, op.min_bytes(problem),
-                      trials=sum(1 for _ in obj.measured), pruned=obj.pruned,
+    return TuneResult(op.name, problem, best_m, default_m, copy, op.min_bytes(problem),
+                      trials=len(obj.measured), pruned=obj.pruned,
                       failures=obj.failures, seconds=time.monotonic() - t0)
 
 

@@ -48,7 +48,7 @@ def main() -> int:
         explained = ckgen.explain("groupnorm_fwd", N=N, C=C, H=H, W=W, G=G, dtype=case["dtype"],
                                   layout=case["layout"], activation=act, arch=info.target.arch)
         if explained.source != "tuned" and args.tune_trials > 0:
-            r = tune_problem(op, p, info, trials=args.tune_trials, storage=settings.study_storage_url(), seed=0)
+            r = tune_problem(op, p, info, trials=args.tune_trials, storage=None, seed=0)  # in-memory study
             dbmod.save_entries(settings.user_db_path(), [dbmod.Entry(
                 op=op.name, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
                 problem=p.key(), config=r.best.config.items, instance=r.best.instance,

@@ -9,8 +9,8 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.table import Table
 
-console = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+console = Console(soft_wrap=True, highlight=False)
+err = Console(stderr=True, soft_wrap=True, highlight=False)
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -23,9 +23,9 @@ def _csv_ints(text: str) -> list[int]:
 def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
     if args.shape:
         if len(args.shape) != 4:
-            raise SystemExit("ckgen tune: --shape takes N,C,H,W")
+            raise ValueError(f"--shape: takes N,C,H,W (4 numbers), got {len(args.shape)}")
         if args.groups is None:
-            raise SystemExit("ckgen tune: --groups is required with --shape")
+            raise ValueError("--groups: required with --shape")
         n, c, h, w = args.shape
         acts = [args.activation or "none"]
         return [op.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l, activation=a)
@@ -44,11 +44,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
         op = get_op(args.op)
         problems = _problems(op, args)
     except ValueError as e:
-        err.print(f"ckgen tune: {e}")
+        err.print(f"ckgen tune: {e}", markup=False)
         return 2
     why = gpu_status()
     if why:
-        err.print(f"ckgen tune: no usable GPU: {why}")
+        err.print(f"ckgen tune: no usable GPU: {why}", markup=False)
         return 2
     import time
 
@@ -85,7 +85,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
                                  seed=args.seed, on_trial=progress)
             except RuntimeError as e:
-                err.print(f"[red]{p.key()}: {e}[/]")
+                err.print(f"{p.key()}: {e}", markup=False)
                 continue
             results.append(r)
             entry = dbmod.Entry(op=op.name, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
@@ -134,7 +134,7 @@ def cmd_db_show(args: argparse.Namespace) -> int:
     try:
         db = _load_db(args)
     except dbmod.DBError as e:
-        err.print(f"ckgen: {e}")
+        err.print(f"ckgen: {e}", markup=False)
         return 2
     t = Table(title=f"instance DB ({len(db.entries)} entries)")
     for col in ("op", "arch", "device", "problem", "instance", "us", "GB/s"):
@@ -151,7 +151,7 @@ def cmd_db_export(args: argparse.Namespace) -> int:
     try:
         dbmod.export_csv(_load_db(args), sys.stdout)
     except dbmod.DBError as e:
-        err.print(f"ckgen: {e}")
+        err.print(f"ckgen: {e}", markup=False)
         return 2
     return 0
 

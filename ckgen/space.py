@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -10,10 +10,6 @@ from typing import Any
 import yaml
 
 from .ops.spec import Config, Support
-
-# Memo of check() results and enumerations: spaces are immutable once loaded.
-_checked: dict[tuple[str, Config], Support] = {}
-_enumerated: dict[str, tuple[Config, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -34,6 +30,8 @@ class Space:
     constraints: tuple[Constraint, ...]
     default: Config
     default_problems: dict[str, Any]
+    # Memo of check() results and the enumeration (a space is immutable once built).
+    _memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def params(self) -> dict[str, tuple[Any, ...]]:
@@ -41,10 +39,9 @@ class Space:
 
     def check(self, config: Config) -> Support:
         """Is `config` a point of this space (names, values, constraints)?"""
-        key = (self.op, config)
-        hit = _checked.get(key)
+        hit = self._memo.get(config)
         if hit is None:
-            hit = _checked[key] = self._check(config)
+            hit = self._memo[config] = self._check(config)
         return hit
 
     def _check(self, config: Config) -> Support:
@@ -64,11 +61,11 @@ class Space:
 
     def enumerate(self) -> tuple[Config, ...]:
         """Every valid point, in declaration order."""
-        if self.op not in _enumerated:
+        if "enumerate" not in self._memo:
             names = list(self.params)
             combos = (Config.of(dict(zip(names, c))) for c in itertools.product(*(self.params[n] for n in names)))
-            _enumerated[self.op] = tuple(c for c in combos if self.check(c))
-        return _enumerated[self.op]
+            self._memo["enumerate"] = tuple(c for c in combos if self.check(c))
+        return self._memo["enumerate"]
 
     def by_distance_from_default(self) -> list[Config]:
         """Every point, nearest the default first (count of differing knobs, then value order)."""

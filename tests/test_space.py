@@ -189,8 +189,6 @@ def test_parse_rejects_invalid_default_of_real_doc_under_new_name(doc: dict) -> 
         _parse(d)
 
 
-@pytest.mark.xfail(strict=True, reason="ckgen/space.py memoizes check()/enumerate() by op name, "
-                                       "not per Space: a second space of the same op reuses the first's results")
 def test_parse_rejects_invalid_default_of_same_op(space: Space, doc: dict) -> None:
     space.check(space.default)  # the real space has seen its default
     d = copy.deepcopy(doc)

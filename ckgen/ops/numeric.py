@@ -23,7 +23,8 @@ def to_storage(a: np.ndarray, dtype: str) -> np.ndarray:
 def from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
     """The inverse of to_storage, to float64."""
     if dtype == "bf16":
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        with np.errstate(invalid="ignore"):  # signalling-NaN bit patterns stay NaN
+            return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return a.astype(np.float64)  # NumPy or CuPy alike
 
 

@@ -1,0 +1,226 @@
+"""CPU tests of the command line (`ckgen tune | list | db show | db export`), in process through
+ckgen.cli.main and as `python -m ckgen.cli` in a subprocess."""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from ckgen import cli
+from ckgen import db as dbmod
+from ckgen.instance import render_instance
+from ckgen.ops import get_op
+from ckgen.ops.spec import Target
+from ckgen.target import gpu_status
+
+REPO = Path(__file__).resolve().parents[1]
+OP = get_op("groupnorm_fwd")
+TUNE = ["tune", "groupnorm_fwd", "--shape", "8,320,64,64", "--groups", "32"]
+needs_no_gpu = pytest.mark.skipif(gpu_status() is None, reason="a GPU is usable here: tune would run")
+
+
+def make_entries(n: int = 2) -> list[dbmod.Entry]:
+    out = []
+    t = Target.named("sm_90")
+    for i in range(n):
+        p = OP.parse_problem(N=2 + i, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw")
+        src = render_instance(OP, p, OP.space.default, t)
+        out.append(dbmod.Entry(op=OP.name, vendor="cuda", arch="sm_90", device="Test GPU", problem=p.key(),
+                               config=OP.space.default.items, instance=src.name, source_sha256=src.sha256,
+                               time_us=10.0 + i, gbps=1500.0, default_time_us=12.0))
+    return out
+
+
+@pytest.fixture
+def db_file(tmp_path: Path) -> Path:
+    path = tmp_path / "elsewhere" / "tuned.yaml"
+    dbmod.save_entries(path, make_entries())
+    return path
+
+
+@pytest.fixture
+def corrupt(tmp_path: Path) -> Path:
+    path = tmp_path / "corrupt.yaml"
+    path.write_text("schema: 1\nentries:\n  - op: [unclosed\n")
+    return path
+
+
+@pytest.fixture
+def inproc(capsys, monkeypatch):
+    """Run main() in this process; returns (exit code, stdout, stderr)."""
+    # A wide stdout console so table cells are not wrapped (the module's is made at import).
+    monkeypatch.setattr(cli, "console", Console(soft_wrap=True, width=400))
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def run_sub(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("CKGEN_")}
+    e.update(CKGEN_CACHE_DIR=str(tmp_path / "sub-cache"), CKGEN_DB=str(tmp_path / "sub-cache" / "instances.yaml"),
+             PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+             COLUMNS="400", NO_COLOR="1")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ckgen.cli", *args], cwd=tmp_path, env=e,
+                          capture_output=True, text=True, timeout=120)
+
+
+# ------------------------------------------------------------------ tune without a GPU
+
+
+@needs_no_gpu
+def test_tune_without_gpu_inprocess(inproc) -> None:
+    code, out, err = inproc(*TUNE)
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "no usable GPU" in lines[0] and lines[0].startswith("ckgen tune")
+    assert out == ""
+
+
+@needs_no_gpu
+def test_tune_without_gpu_subprocess(tmp_path: Path) -> None:
+    r = run_sub(tmp_path, *TUNE)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "no usable GPU" in lines[0]
+    assert "Traceback" not in r.stderr
+    assert r.stdout == ""
+    assert not (tmp_path / "sub-cache" / "instances.yaml").exists(), "nothing tuned, nothing written"
+
+
+def test_tune_unknown_op(inproc, tmp_path: Path) -> None:
+    code, out, err = inproc("tune", "nosuchop")
+    assert code == 2
+    assert "nosuchop" in err and "groupnorm_fwd" in err  # names it and what is known
+    r = run_sub(tmp_path, "tune", "nosuchop")
+    assert r.returncode == 2 and "nosuchop" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tune_shape_needs_four_numbers(inproc, tmp_path: Path) -> None:
+    code, _, err = inproc("tune", "groupnorm_fwd", "--shape", "8,320,64", "--groups", "32")
+    assert code == 2
+    assert "N,C,H,W" in err and "--shape" in err
+    r = run_sub(tmp_path, "tune", "groupnorm_fwd", "--shape", "8,320,64", "--groups", "32")
+    assert r.returncode != 0
+    assert "N,C,H,W" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tune_shape_not_integers(tmp_path: Path) -> None:
+    r = run_sub(tmp_path, "tune", "groupnorm_fwd", "--shape", "8,a,64,64", "--groups", "32")
+    assert r.returncode == 2
+    assert "comma-separated integers" in r.stderr and "8,a,64,64" in r.stderr
+
+
+def test_tune_shape_without_groups(inproc) -> None:
+    code, _, err = inproc("tune", "groupnorm_fwd", "--shape", "8,320,64,64")
+    assert code == 2 and "--groups" in err
+
+
+def test_tune_groups_not_dividing_channels(inproc) -> None:
+    code, _, err = inproc("tune", "groupnorm_fwd", "--shape", "8,320,64,64", "--groups", "30")
+    assert code == 2
+    assert "groups" in err and "320" in err
+
+
+# ------------------------------------------------------------------ list
+
+
+def test_list(inproc, tmp_path: Path, db_file: Path) -> None:
+    code, out, _ = inproc("list")
+    assert code == 0
+    assert "groupnorm_fwd" in out and "groupnorm_fwd.cu.j2" in out
+    assert "instance DB (0 entries)" in out  # the isolated user DB is empty
+    code, out, _ = inproc("--db", str(db_file), "list")
+    assert code == 0 and "instance DB (2 entries)" in out
+    r = run_sub(tmp_path, "list")
+    assert r.returncode == 0 and "groupnorm_fwd" in r.stdout
+
+
+# ------------------------------------------------------------------ db show / export
+
+
+def test_db_show_with_db_option(inproc, db_file: Path) -> None:
+    entries = make_entries()
+    for argv in (["--db", str(db_file), "db", "show"], ["db", "show", "--db", str(db_file)]):
+        code, out, err = inproc(*argv)
+        assert code == 0, err
+        assert "instance DB (2 entries)" in out
+        for e in entries:
+            assert e.problem in out and e.instance in out
+    code, out, _ = inproc("db", "show")  # the (empty) default DB, not the last --db
+    assert code == 0 and "instance DB (0 entries)" in out
+
+
+def test_db_show_with_env(inproc, db_file: Path, monkeypatch) -> None:
+    monkeypatch.setenv("CKGEN_DB", str(db_file))
+    code, out, _ = inproc("db", "show")
+    assert code == 0
+    assert "instance DB (2 entries)" in out and make_entries()[1].problem in out
+
+
+def test_db_show_subprocess_env_and_option(tmp_path: Path, db_file: Path) -> None:
+    r = run_sub(tmp_path, "db", "show", env={"CKGEN_DB": str(db_file)})
+    assert r.returncode == 0, r.stderr
+    assert "instance DB (2 entries)" in r.stdout and make_entries()[0].instance in r.stdout
+    r = run_sub(tmp_path, "db", "show", "--db", str(db_file))
+    assert r.returncode == 0 and "instance DB (2 entries)" in r.stdout
+    r = run_sub(tmp_path, "db", "show")
+    assert r.returncode == 0 and "instance DB (0 entries)" in r.stdout
+
+
+def test_db_export_csv(inproc, tmp_path: Path, db_file: Path) -> None:
+    code, out, _ = inproc("db", "export", "--db", str(db_file))
+    assert code == 0
+    rows = list(csv.reader(io.StringIO(out)))
+    assert tuple(rows[0]) == dbmod.CSV_COLUMNS
+    assert len(rows) == 3
+    got = [dict(zip(rows[0], r)) for r in rows[1:]]
+    assert {g["problem"] for g in got} == {e.problem for e in make_entries()}
+    assert {float(g["time_us"]) for g in got} == {10.0, 11.0}
+    r = run_sub(tmp_path, "db", "export", env={"CKGEN_DB": str(db_file)})
+    assert r.returncode == 0 and list(csv.reader(io.StringIO(r.stdout))) == rows
+    r = run_sub(tmp_path, "db", "export")  # empty DB: the header alone
+    assert r.returncode == 0 and list(csv.reader(io.StringIO(r.stdout))) == [list(dbmod.CSV_COLUMNS)]
+
+
+def test_corrupt_db_is_reported_and_untouched(inproc, tmp_path: Path, corrupt: Path) -> None:
+    before = corrupt.read_bytes()
+    for argv in (["db", "show", "--db", str(corrupt)], ["db", "export", "--db", str(corrupt)],
+                 ["--db", str(corrupt), "list"]):
+        code, out, err = inproc(*argv)
+        assert code == 2, argv
+        assert str(corrupt) in err, err
+        assert "Traceback" not in err
+    r = run_sub(tmp_path, "db", "show", "--db", "corrupt.yaml")  # relative to cwd=tmp_path
+    assert r.returncode == 2
+    assert "corrupt.yaml" in r.stderr and "Traceback" not in r.stderr
+    r = run_sub(tmp_path, "db", "show", env={"CKGEN_DB": str(corrupt)})
+    assert r.returncode == 2 and str(corrupt) in r.stderr
+    assert corrupt.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("corrupt")) == ["corrupt.yaml"]
+
+
+def test_corrupt_db_message_keeps_brackets_in_the_path(inproc, tmp_path: Path) -> None:
+    path = tmp_path / "db[old].yaml"
+    path.write_text("schema: 1\nentries: {op: x}\n")
+    code, _, err = inproc("db", "show", "--db", str(path))
+    assert code == 2
+    assert str(path) in err
+
+
+def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
+    r = run_sub(tmp_path)
+    assert r.returncode == 2 and "usage" in r.stderr.lower()

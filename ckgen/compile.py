@@ -8,6 +8,7 @@
   (`<cache>/kernels/<arch>/<name>-<sha12>.cubin`), then NVRTC."""
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
@@ -107,6 +108,7 @@ def compile_many(sources: list[KernelSource], target: Target, workers: int | Non
     else:
         if _pool is None:
             _pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+            atexit.register(_pool.shutdown)  # before interpreter teardown, not during it
         out = list(_pool.map(_worker, [(s, target) for s in todo.values()]))
     return {msg.split(":", 1)[0]: msg for msg in out if msg}
 

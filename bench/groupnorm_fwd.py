@@ -33,7 +33,7 @@ def main() -> int:
     from ckgen.bench import Timer, gbps
     from ckgen.ops import get_op
     from ckgen.target import device_info
-    from ckgen.tune import provenance, tune_problem
+    from ckgen.tune import db_entry, tune_problem
 
     info = device_info(None)
     op = get_op("groupnorm_fwd")
@@ -49,12 +49,7 @@ def main() -> int:
                                   layout=case["layout"], activation=act, arch=info.target.arch)
         if explained.source != "tuned" and args.tune_trials > 0:
             r = tune_problem(op, p, info, trials=args.tune_trials, storage=None, seed=0)  # in-memory study
-            dbmod.save_entries(settings.user_db_path(), [dbmod.Entry(
-                op=op.name, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
-                problem=p.key(), config=r.best.config.items, instance=r.best.instance,
-                source_sha256=r.best.sha256, time_us=round(r.best.timing.median_us, 3), gbps=round(r.gbps, 1),
-                default_time_us=round(r.default.timing.median_us, 3) if r.default else -1.0,
-                provenance=tuple(sorted(provenance(r).items())))])
+            dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
             ckgen.reload_db()
         fmt = torch.channels_last if case["layout"] == "nhwc" else torch.contiguous_format
         x = torch.randn(N, C, H, W, device="cuda", dtype=dts[case["dtype"]]).contiguous(memory_format=fmt)

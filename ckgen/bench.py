@@ -54,9 +54,7 @@ class Timer:
         src = cp.empty(half, dtype=cp.uint8)
         src.fill(1)
         dst = cp.empty(half, dtype=cp.uint8)
-        t = self.time(lambda: dst.data.copy_from_device_async(src.data, half))
-        del src, dst
-        return t
+        return self.time(lambda: dst.data.copy_from_device_async(src.data, half))
 
 
 def gbps(nbytes: int, us: float) -> float:

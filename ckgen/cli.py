@@ -57,7 +57,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import db as dbmod
     from . import settings
     from .target import device_info
-    from .tune import provenance, tune_problem
+    from .tune import db_entry, tune_problem
 
     info = device_info(None)
     db_path = Path(args.db) if args.db else settings.user_db_path()
@@ -88,12 +88,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 err.print(f"{p.key()}: {e}", markup=False)
                 continue
             results.append(r)
-            entry = dbmod.Entry(op=op.name, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
-                                problem=p.key(), config=r.best.config.items, instance=r.best.instance,
-                                source_sha256=r.best.sha256, time_us=round(r.best.timing.median_us, 3),
-                                gbps=round(r.gbps, 1),
-                                default_time_us=round(r.default.timing.median_us, 3) if r.default else -1.0,
-                                provenance=tuple(sorted(provenance(r).items())))
+            entry = db_entry(r, info)
             dbmod.save_entries(db_path, [entry])
             table.add_row(p.key(), r.best.instance, f"{r.best.timing.median_us:.1f}",
                           f"{100 * r.best.timing.spread:.0f}%", f"{r.gbps:.0f}", f"{r.efficiency:.2f}",

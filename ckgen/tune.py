@@ -216,3 +216,15 @@ def provenance(result: TuneResult) -> dict[str, Any]:
         "trials": result.trials,
         "tuning_seconds": round(result.seconds, 1),
     }
+
+
+def db_entry(result: TuneResult, info: DeviceInfo) -> Any:
+    """The instance-DB entry recording a tuning result (winner, timings, provenance)."""
+    from .db import Entry
+
+    return Entry(op=result.op, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
+                 problem=result.problem.key(), config=result.best.config.items,
+                 instance=result.best.instance, source_sha256=result.best.sha256,
+                 time_us=round(result.best.timing.median_us, 3), gbps=round(result.gbps, 1),
+                 default_time_us=round(result.default.timing.median_us, 3) if result.default else -1.0,
+                 provenance=tuple(sorted(provenance(result).items())))

@@ -186,18 +186,14 @@ def test_dispatch_uses_db_entry_after_tune(tmp_path):
     import ckgen
     from ckgen import db as dbmod
     from ckgen.target import device_info
-    from ckgen.tune import provenance, tune_problem
+    from ckgen.tune import db_entry, tune_problem
 
     info = device_info(None)
     p = OP.parse_problem(N=2, C=64, H=16, W=16, G=8, dtype="fp16", layout="nhwc")
     r = tune_problem(OP, p, info, trials=6, storage=None, seed=1)
     from ckgen import settings
 
-    dbmod.save_entries(settings.user_db_path(), [dbmod.Entry(
-        op=OP.name, vendor=info.target.vendor, arch=info.target.arch, device=info.name, problem=p.key(),
-        config=r.best.config.items, instance=r.best.instance, source_sha256=r.best.sha256,
-        time_us=r.best.timing.median_us, gbps=r.gbps, default_time_us=r.best.timing.median_us,
-        provenance=tuple(sorted(provenance(r).items())))])
+    dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
     ckgen.reload_db()
     x = torch.randn(2, 64, 16, 16, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
     choice = ckgen.explain("groupnorm_fwd", x, None, None, 8)

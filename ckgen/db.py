@@ -447,9 +447,16 @@ def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
     return removed
 
 
-def shipped_db_path() -> Path:
-    """The DB shipped inside the package (winners measured on our GPUs); may not exist."""
+def packaged_db_path() -> Path:
+    """The DB file inside the package (winners measured on our GPUs)."""
     return Path(str(importlib.resources.files("ckgen") / "data" / "instances.yaml"))
+
+
+def shipped_db_path() -> Path:
+    """The shipped DB in use: $CKGEN_SHIPPED_DB if set, else the packaged one; may not exist."""
+    from . import settings
+
+    return settings.shipped_db_override() or packaged_db_path()
 
 
 def export_csv(db: InstanceDB, stream: IO[str]) -> None:

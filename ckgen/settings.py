@@ -9,6 +9,7 @@ import platformdirs
 ENV_DB = "CKGEN_DB"  # path of the user instance DB
 ENV_CACHE = "CKGEN_CACHE_DIR"  # folder for the user DB and optuna studies
 ENV_QUIET = "CKGEN_QUIET"  # "1": no fallback notices from the dispatcher
+ENV_SHIPPED = "CKGEN_SHIPPED_DB"  # another file in place of the packaged DB (a missing file: none)
 
 
 def cache_dir() -> Path:
@@ -27,3 +28,8 @@ def study_storage_url() -> str:
 
 def quiet() -> bool:
     return os.environ.get(ENV_QUIET, "") == "1"
+
+
+def shipped_db_override() -> Path | None:
+    value = os.environ.get(ENV_SHIPPED)
+    return Path(value) if value else None

@@ -19,4 +19,6 @@ def _isolated_db(tmp_path, monkeypatch):
     """Every test gets its own user DB and cache dir; the user's real DB is never touched."""
     monkeypatch.setenv("CKGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CKGEN_DB", str(tmp_path / "cache" / "instances.yaml"))
+    # Tests see no shipped DB unless they ask for it (test_shipped_db.py reads the packaged file).
+    monkeypatch.setenv("CKGEN_SHIPPED_DB", str(tmp_path / "no-shipped-db.yaml"))
     yield

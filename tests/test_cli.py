@@ -69,6 +69,7 @@ def inproc(capsys, monkeypatch):
 def run_sub(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith("CKGEN_")}
     e.update(CKGEN_CACHE_DIR=str(tmp_path / "sub-cache"), CKGEN_DB=str(tmp_path / "sub-cache" / "instances.yaml"),
+             CKGEN_SHIPPED_DB=str(tmp_path / "no-shipped-db.yaml"),
              PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
              COLUMNS="400", NO_COLOR="1")
     e.update(env or {})

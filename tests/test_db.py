@@ -101,8 +101,8 @@ def test_layered_user_wins_over_shipped() -> None:
     assert InstanceDB.layered(shipped, user).lookup("groupnorm_fwd", "sm_90", "a").time_us == 2.0
 
 
-def test_shipped_db_path() -> None:
-    p = db.shipped_db_path()
+def test_packaged_db_path() -> None:
+    p = db.packaged_db_path()
     assert isinstance(p, Path) and p.name == "instances.yaml" and p.parent.name == "data"
 
 

@@ -113,18 +113,20 @@ def compile_many(sources: list[KernelSource], target: Target, workers: int | Non
     return {msg.split(":", 1)[0]: msg for msg in out if msg}
 
 
-_cache: dict[tuple[int, str], Any] = {}
+_cache: dict[tuple[int, str, str], Any] = {}
 _lock = threading.Lock()
 
 
-def load_kernel(src: KernelSource, target: Target | None = None) -> Any:
-    """A CuPy kernel for `src` on the current device (compiled once per arch and source)."""
+def load_kernel(src: KernelSource, target: Target | None = None, symbol: str | None = None) -> Any:
+    """A CuPy kernel `symbol` (default: the instance name) of `src` on the current device;
+    each source is compiled once per arch, each module loaded once per device."""
     import cupy
 
     from .target import device_info
 
     dev = cupy.cuda.Device().id
-    key = (dev, src.sha256)
+    symbol = symbol or src.name
+    key = (dev, src.sha256, symbol)
     with _lock:
         kern = _cache.get(key)
     if kern is not None:
@@ -132,10 +134,10 @@ def load_kernel(src: KernelSource, target: Target | None = None) -> Any:
     target = target or device_info(dev).target
     if target.vendor == "cuda":
         path = ensure_cubin(src, target)
-        kern = cupy.RawModule(path=str(path)).get_function(src.name)
+        kern = cupy.RawModule(path=str(path)).get_function(symbol)
     else:  # ROCm builds of CuPy: hiprtc through RawModule (not exercised here: no AMD GPU)
         try:
-            kern = cupy.RawModule(code=src.code, options=("-std=c++17",)).get_function(src.name)
+            kern = cupy.RawModule(code=src.code, options=("-std=c++17",)).get_function(symbol)
         except cupy.cuda.compiler.CompileException as e:
             raise CompileError(src.name, str(e)) from None
     with _lock:

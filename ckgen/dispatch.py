@@ -166,11 +166,16 @@ def groupnorm_fwd(x: Any, gamma: Any, beta: Any, groups: int, eps: float = 1e-5,
             ptrs["beta"] = bt.ptr
         max_vec = alignment(xt.ptr, ptrs["y"], ptrs.get("gamma", 0), ptrs.get("beta", 0))
         choice, src = _dispatcher.choose(op, problem, target, max_vec)
-        kernel = load_kernel(src)
-        launch = op.launch(problem, choice.config, target)
+        launches = op.launches(problem, choice.config, target)
+        kernels = [load_kernel(src, target, l.kernel) for l in launches]
+        ws_bytes = op.workspace_bytes(problem, choice.config)
+        ws = empty_f32(xt, ((ws_bytes + 3) // 4,)) if ws_bytes else None
+        if ws is not None:
+            ptrs["ws"] = data_ptr(ws)
+        args = op.kernel_args(problem, ptrs, float(eps))
         with stream_for(xt):
-            kernel(launch.grid, launch.block, op.kernel_args(problem, ptrs, float(eps)),
-                   shared_mem=launch.shared_mem)
+            for kernel, l in zip(kernels, launches):
+                kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
     return y, mean, rstd
 
 

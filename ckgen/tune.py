@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .bench import Timer, Timing, gbps
-from .compile import CompileError, compile_many, load_kernel
+from .compile import CompileError, compile_many
 from .instance import render_instance
 from .ops.spec import Config, OpSpec, Problem, Target
 from .target import DeviceInfo
@@ -88,11 +88,9 @@ class _Objective:
         if src.name in self.compile_errors:
             raise TrialFailed(f"compile error: {self.compile_errors[src.name]}")
         try:
-            kernel = load_kernel(src, self.target)
+            run = self.h.runner(src, config, self.target)
         except CompileError as e:
             raise TrialFailed(f"compile error: {e.log.strip()[-300:]}") from None
-        launch = self.op.launch(self.problem, config, self.target)
-        run = self.h.launcher(kernel, launch)
         try:
             check = self.h.check(run)
         except Exception as e:  # launch failures (out of resources, illegal address) fail the trial

@@ -29,12 +29,24 @@ class Harness:
         self.ref = {k: cupy.asarray(v) for k, v in op.reference(problem, self.inputs, eps=eps).items()}
         self.dev_in = {k: cupy.asarray(v) for k, v in op.pack_inputs(problem, self.inputs).items()}
         self.dev_out = {k: cupy.empty(n, dt) for k, (n, dt) in op.output_buffers(problem).items()}
-        ptrs = {k: a.data.ptr for k, a in {**self.dev_in, **self.dev_out}.items()}
-        self.args = op.kernel_args(problem, ptrs, eps)
 
-    def launcher(self, kernel: Any, launch: Any) -> Callable[[], None]:
-        args, grid, block, smem = self.args, launch.grid, launch.block, launch.shared_mem
-        return lambda: kernel(grid, block, args, shared_mem=smem)
+    def runner(self, src: Any, config: Any, target: Any) -> Callable[[], None]:
+        """A callable running every launch of `config` (compiled from `src`) on these buffers."""
+        import cupy
+
+        from .compile import load_kernel
+
+        ws = cupy.empty(max(self.op.workspace_bytes(self.problem, config), 4), dtype=cupy.uint8)
+        ptrs = {k: a.data.ptr for k, a in {**self.dev_in, **self.dev_out}.items()}
+        args = self.op.kernel_args(self.problem, {**ptrs, "ws": ws.data.ptr}, self.eps)
+        steps = [(load_kernel(src, target, l.kernel), l) for l in self.op.launches(self.problem, config, target)]
+
+        def run() -> None:
+            _ = ws  # the workspace lives as long as the runner
+            for kernel, l in steps:
+                kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
+
+        return run
 
     def poison(self) -> None:
         for a in self.dev_out.values():

@@ -98,6 +98,7 @@ class GroupNormFwd(OpSpec):
         item = DTYPES[p.dtype]["itemsize"]
         vb, threads, items = config["vec_bytes"], config["threads"], config["items"]
         gpb, cluster = config["groups_per_block"], config["cluster"]
+        split = cluster if config["merge"] == "cluster" else config["global_split"]
         if vb % item:
             return Support.no(f"vec_bytes={vb} is not a whole number of {p.dtype} elements")
         vec = vb // item
@@ -120,11 +121,11 @@ class GroupNormFwd(OpSpec):
             if p.HW % vec:
                 return Support.no(f"vector of {vec} does not divide H*W={p.HW}")
             nvec = p.Cg * p.HW // vec
-            share = -(-nvec // cluster)
+            share = -(-nvec // split)
             if config["slice_in"] == "regs" and share > threads * items:
                 return Support.no(f"slice share of {share} vectors exceeds threads*items={threads * items}")
-            if cluster > 1 and share < threads // 4:
-                return Support.no(f"cluster={cluster} leaves each block {share} vectors for {threads} threads")
+            if split > 1 and share < threads // 4:
+                return Support.no(f"a split of {split} leaves each block {share} vectors for {threads} threads")
         else:
             if p.G % gpb:
                 return Support.no(f"groups_per_block={gpb} does not divide G={p.G}")
@@ -139,12 +140,12 @@ class GroupNormFwd(OpSpec):
             rows = threads // cols
             if rows * cols * 4 < threads * 3:
                 return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)")
-            share = -(-p.HW // cluster)
+            share = -(-p.HW // split)
             if config["slice_in"] == "regs" and share > rows * items:
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
-            if cluster > 1 and share < rows:
-                return Support.no(f"cluster={cluster} leaves each block fewer pixels ({share}) than rows ({rows})")
-        tiles = p.N * (p.G // gpb) * cluster
+            if split > 1 and share < rows:
+                return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
+        tiles = p.N * (p.G // gpb) * split
         if tiles > _INT32_MAX:
             return Support.no("grid too large")
         return Support.yes()
@@ -153,7 +154,7 @@ class GroupNormFwd(OpSpec):
         """The valid configs a simple model likes best: wide vectors, x read once (regs), enough
         blocks to fill every SM, several blocks per SM, few registers."""
         def score(c: Config) -> float:
-            blocks = self.launch(p, c, target).grid[0]
+            blocks = self.launches(p, c, target)[-1].grid[0]
             per_sm = max(1, min(c["min_blocks"], 2048 // c["threads"]))
             fill = min(1.0, blocks / (num_sms * per_sm))
             waves = blocks / (num_sms * per_sm)
@@ -165,9 +166,9 @@ class GroupNormFwd(OpSpec):
         valid = sorted((c for c in self.space.enumerate() if self.validate(p, c, target)), key=score, reverse=True)
         # Diverse seeds: the best of each (slice_in, cluster) family first, then the next best.
         picked: list[Config] = []
-        seen: set[tuple[str, int]] = set()
+        seen: set[tuple[str, int, str]] = set()
         for c in valid:
-            fam = (c["slice_in"], c["cluster"])
+            fam = (c["slice_in"], c["cluster"], c["merge"])
             if fam not in seen:
                 seen.add(fam)
                 picked.append(c)
@@ -178,7 +179,8 @@ class GroupNormFwd(OpSpec):
         c = config
         act = "_swish" if p.activation == "swish" else ""
         return (f"ckgen_groupnorm_fwd_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}"
-                f"_i{c['items']}_g{c['groups_per_block']}_c{c['cluster']}_{c['slice_in']}_m{c['min_blocks']}")
+                f"_i{c['items']}_g{c['groups_per_block']}_c{c['cluster']}_{c['slice_in']}_m{c['min_blocks']}"
+                + (f"_gs{c['global_split']}" if c["merge"] == "global" else ""))
 
     def render_context(self, p: GroupNormProblem, config: Config, target: Target) -> dict[str, Any]:
         d = DTYPES[p.dtype]
@@ -186,9 +188,20 @@ class GroupNormFwd(OpSpec):
                     activation=p.activation, storage=d["storage"], itemsize=d["itemsize"],
                     vec=self.vec_elems(p, config))
 
-    def launch(self, p: GroupNormProblem, config: Config, target: Target, num_sms: int = 0) -> Launch:
-        blocks = p.N * (p.G // config["groups_per_block"]) * config["cluster"]
-        return Launch((blocks, 1, 1), (config["threads"], 1, 1), 0)
+    def _blocks(self, p: GroupNormProblem, config: Config) -> int:
+        split = config["cluster"] if config["merge"] == "cluster" else config["global_split"]
+        return p.N * (p.G // config["groups_per_block"]) * split
+
+    def launches(self, p: GroupNormProblem, config: Config, target: Target) -> tuple[Launch, ...]:
+        name = self.instance_name(p, config)
+        grid, block = (self._blocks(p, config), 1, 1), (config["threads"], 1, 1)
+        if config["merge"] == "global":
+            return (Launch(f"{name}_stats", grid, block), Launch(name, grid, block))
+        return (Launch(name, grid, block),)
+
+    def workspace_bytes(self, p: GroupNormProblem, config: Config) -> int:
+        # merge=global: (count, mean, M2) per block and group
+        return self._blocks(p, config) * config["groups_per_block"] * 3 * 4 if config["merge"] == "global" else 0
 
     def min_bytes(self, p: GroupNormProblem) -> int:
         return 2 * p.numel * DTYPES[p.dtype]["itemsize"]  # read x once, write y once
@@ -241,7 +254,7 @@ class GroupNormFwd(OpSpec):
     def kernel_args(self, p: GroupNormProblem, ptrs: Mapping[str, int], eps: float) -> tuple:
         u = np.uint64
         return (u(ptrs["x"]), u(ptrs.get("gamma", 0)), u(ptrs.get("beta", 0)), u(ptrs["y"]),
-                u(ptrs["mean"]), u(ptrs["rstd"]), np.int32(p.C), np.int32(p.HW), np.int32(p.G),
+                u(ptrs["mean"]), u(ptrs["rstd"]), u(ptrs.get("ws", 0)), np.int32(p.C), np.int32(p.HW), np.int32(p.G),
                 np.float32(eps))
 
     def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:

@@ -87,6 +87,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Launch:
+    kernel: str  # the symbol to launch
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int = 0
@@ -138,7 +139,12 @@ class OpSpec(abc.ABC):
     def render_context(self, problem: Any, config: Config, target: Target) -> dict[str, Any]: ...
 
     @abc.abstractmethod
-    def launch(self, problem: Any, config: Config, target: Target, num_sms: int = 0) -> Launch: ...
+    def launches(self, problem: Any, config: Config, target: Target) -> tuple[Launch, ...]:
+        """The kernels of one call, in order (all take the same arguments)."""
+
+    def workspace_bytes(self, problem: Any, config: Config) -> int:
+        """Scratch memory the launches need (ptrs['ws']); none by default."""
+        return 0
 
     @abc.abstractmethod
     def min_bytes(self, problem: Any) -> int: ...

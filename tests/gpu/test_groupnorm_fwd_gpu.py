@@ -41,7 +41,8 @@ def _configs(problem, target, n, seed):
     rng = random.Random(seed)
     rng.shuffle(valid)
     picked: list[Config] = []
-    for key in (("slice_in", "regs"), ("slice_in", "reload"), ("cluster", 2), ("cluster", 4), ("cluster", 8)):
+    for key in (("slice_in", "regs"), ("slice_in", "reload"), ("cluster", 2), ("cluster", 4), ("cluster", 8),
+                ("merge", "global"), ("global_split", 16)):
         for c in valid:
             if c[key[0]] == key[1] and c not in picked:
                 picked.append(c)
@@ -70,7 +71,6 @@ def _prewarm(target):
 @pytest.mark.parametrize("dtype,layout,act", COMBOS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_configs_match_reference(dtype, layout, act, shape, target):
-    from ckgen.compile import load_kernel
     from ckgen.verify import Harness
 
     N, C, H, W, G = shape
@@ -81,8 +81,7 @@ def test_configs_match_reference(dtype, layout, act, shape, target):
     bad = []
     for c in configs:
         src = render_instance(OP, p, c, target)
-        run = h.launcher(load_kernel(src), OP.launch(p, c, target))
-        chk = h.check(run)
+        chk = h.check(h.runner(src, c, target))
         if not chk.ok:
             bad.append(f"{src.name}: {chk.detail}")
     assert not bad, "\n".join(bad)
@@ -94,7 +93,6 @@ def test_cancellation_large_mean(dtype, layout, target):
     tolerance. y = x*scale + shift with |shift| ~ |mean|*rstd loses log2(|mean|/std) ~ 10 bits of
     fp32 in that one FMA (PyTorch's kernel has the same form), so y's tolerance is widened 8x for
     fp32 only; a cancelling variance would be off by orders of magnitude, not by 8x."""
-    from ckgen.compile import load_kernel
     from ckgen.verify import Harness
 
     p = OP.parse_problem(N=2, C=64, H=32, W=32, G=8, dtype=dtype, layout=layout)
@@ -104,7 +102,7 @@ def test_cancellation_large_mean(dtype, layout, target):
         inputs = OP.make_inputs(p, rng, offset=100.0 if dtype == "fp16" else 30.0)
     h = Harness(OP, p, inputs=inputs)
     for c in _configs(p, target, 6, 7):
-        run = h.launcher(load_kernel(render_instance(OP, p, c, target)), OP.launch(p, c, target))
+        run = h.runner(render_instance(OP, p, c, target), c, target)
         chk = h.check(run, widen={"y": 8.0} if dtype == "fp32" else None)
         assert chk.ok, f"{c.key()}: {chk.detail}"
 

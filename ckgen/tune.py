@@ -102,21 +102,16 @@ class _Objective:
         return m
 
 
-def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
-                 timeout: float | None = None, storage: str | None = None, seed: int = 0,
-                 batch: int = 16,
-                 on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
-    """Tune one problem. `trials` counts measured (valid) candidates; pruned ones are free.
-    Candidates are asked from optuna in batches of `batch`, compiled in parallel, then verified
-    and timed one by one. `on_trial(done, total, best_us)` reports progress."""
+def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: "_Objective", *,
+           trials: int, timeout: float | None, storage: str | None, seed: int, batch: int = 16,
+           on_trial: Callable[[int, int, float], None] | None = None) -> tuple[Any, Config]:
+    """The search loop, apart from the device: `ev` prepares (compiles) and measures configs, or
+    raises TrialFailed. Returns the optuna study and the default config measured first.
+    `trials` counts measured candidates (failed ones included); pruned proposals are free."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.monotonic()
-    target = info.target
-    timer = Timer(info.l2_bytes)
-    harness = Harness(op, problem, seed=None)  # fresh random inputs every run
-    obj = _Objective(op, problem, target, harness, timer)
     study = optuna.create_study(study_name=study_name(op, problem, target), storage=storage,
                                 load_if_exists=True, direction="minimize",
                                 sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=8))
@@ -130,10 +125,19 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     default_cfg = next(c for c in [op.space.default, *op.space.by_distance_from_default()]
                        if op.validate(problem, c, target))
     study.enqueue_trial(default_cfg.as_dict(), skip_if_exists=True)
-    for seed_cfg in op.seed_configs(problem, target, info.num_sms, count=max(2, min(8, trials // 4))):
+    for seed_cfg in op.seed_configs(problem, target, num_sms, count=max(2, min(12, trials // 4))):
         study.enqueue_trial(seed_cfg.as_dict(), skip_if_exists=True)
     States = optuna.trial.TrialState
     trials = min(trials, len(valid))  # a small space is simply measured whole
+    # A resumed study already holds measurements (same templates: the name carries their digest):
+    # a repeat of one is told its stored value or failure instead of being measured again.
+    known: dict[Config, float] = {}
+    failed: dict[Config, str] = {}
+    for t in study.trials:
+        if t.state == States.COMPLETE and set(t.params) == set(choices):
+            known[Config.of(t.params)] = t.value
+        elif t.state == States.FAIL and "failure" in t.user_attrs and set(t.params) == set(choices):
+            failed[Config.of(t.params)] = t.user_attrs["failure"]
     done, asked = 0, 0
     best = math.inf
     while done < trials and (timeout is None or time.monotonic() - t0 < timeout):
@@ -144,25 +148,30 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
             config = Config.of({n: trial.suggest_categorical(n, ch) for n, ch in choices.items()})
             ok = op.validate(problem, config, target)
             if not ok:
-                obj.pruned += 1
+                ev.pruned += 1
                 trial.set_user_attr("invalid", ok.reason)
                 study.tell(trial, state=States.PRUNED)
-            elif config in obj.measured or any(config == c for _, c in pending):
-                if config in obj.measured:  # a repeat: its value is known, no new measurement
-                    study.tell(trial, obj.measured[config].timing.median_us)
-                else:
-                    study.tell(trial, state=States.PRUNED)
+            elif config in ev.measured:  # a repeat: its value is known, nothing new to measure
+                study.tell(trial, ev.measured[config].timing.median_us)
+            elif config in known:  # measured by an earlier run of this study
+                study.tell(trial, known[config])
+            elif config in failed:  # a repeat of a failure: fail again without retrying
+                trial.set_user_attr("failure", failed[config])
+                study.tell(trial, state=States.FAIL)
+            elif any(config == c for _, c in pending):
+                study.tell(trial, state=States.PRUNED)
             else:
                 pending.append((trial, config))
         if not pending:
             break
-        obj.prepare([c for _, c in pending])
+        ev.prepare([c for _, c in pending])
         for trial, config in pending:
             try:
-                m = obj.measure(config)
+                m = ev.measure(config)
             except TrialFailed as e:
+                failed[config] = str(e)
                 trial.set_user_attr("failure", str(e))
-                obj.failures.append((config.key(), str(e)))
+                ev.failures.append((config.key(), str(e)))
                 study.tell(trial, state=States.FAIL)
             else:
                 trial.set_user_attr("instance", m.instance)
@@ -172,7 +181,26 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
             done += 1
             if on_trial:
                 on_trial(done, trials, best)
+    return study, default_cfg
 
+
+def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
+                 timeout: float | None = None, storage: str | None = None, seed: int = 0,
+                 batch: int = 16,
+                 on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
+    """Tune one problem on the current GPU and pick the winner. Candidates are asked from optuna
+    in batches of `batch`, compiled in parallel, then verified and timed one by one.
+    `on_trial(done, total, best_us)` reports progress."""
+    import optuna
+
+    t0 = time.monotonic()
+    target = info.target
+    timer = Timer(info.l2_bytes)
+    harness = Harness(op, problem, seed=None)  # fresh random inputs every run
+    obj = _Objective(op, problem, target, harness, timer)
+    study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
+                                storage=storage, seed=seed, batch=batch, on_trial=on_trial)
+    States = optuna.trial.TrialState
     # Winner: re-measure the best few of this study (incl. earlier sessions) in this run.
     finished = sorted((t for t in study.trials if t.state == States.COMPLETE), key=lambda t: t.value)
     finalists: list[Measured] = []

@@ -160,7 +160,7 @@ class GroupNormFwd(OpSpec):
             waves = blocks / (num_sms * per_sm)
             tail = (math.ceil(waves) - waves) / math.ceil(waves) if waves > 1 else 0.0
             step = c["threads"] * c["items"] * c["vec_bytes"]  # bytes a block loads per step
-            return (2.0 * c["vec_bytes"] / 16 + 2.0 * fill - tail + (16 << 10 <= step <= 64 << 10)
+            return (2.0 * c["vec_bytes"] / 16 + 2.0 * fill - tail + (16 << 10 <= step <= 128 << 10)
                     + 0.5 * (c["threads"] * c["min_blocks"] >= 1024))
 
         valid = sorted((c for c in self.space.enumerate() if self.validate(p, c, target)), key=score, reverse=True)

@@ -128,7 +128,10 @@ def test_search_on_recorded_h100_timings_finds_near_best():
     rows = json.loads(SWEEP.read_text())["rows"]
     recorded = {Config.of(dict(cfg, merge="cluster", global_split=1)): us for us, _, cfg in rows}
     best = min(recorded.values())
-    ev = Replay(recorded.get)
-    run(ev, trials=80)
-    found = min(m.timing.median_us for m in ev.measured.values())
-    assert found <= 1.05 * best, f"search found {found:.1f} us, exhaustive best {best:.1f} us"
+    ratios = []
+    for seed in range(3):  # one run's result depends on the sampler's seed (0-7% seen)
+        ev = Replay(recorded.get)
+        run(ev, trials=80, seed=seed)
+        ratios.append(min(m.timing.median_us for m in ev.measured.values()) / best)
+    ratios.sort()
+    assert ratios[1] <= 1.05 and ratios[-1] <= 1.10, f"found / exhaustive best: {ratios}"

@@ -129,9 +129,9 @@ def test_search_on_recorded_h100_timings_finds_near_best():
     recorded = {Config.of(dict(cfg, merge="cluster", global_split=1)): us for us, _, cfg in rows}
     best = min(recorded.values())
     ratios = []
-    for seed in range(3):  # one run's result depends on the sampler's seed (0-7% seen)
+    for seed in range(5):  # one run's result depends on the sampler's seed (0-7% seen)
         ev = Replay(recorded.get)
         run(ev, trials=80, seed=seed)
         ratios.append(min(m.timing.median_us for m in ev.measured.values()) / best)
-    ratios.sort()
-    assert ratios[1] <= 1.05 and ratios[-1] <= 1.10, f"found / exhaustive best: {ratios}"
+    mean = sum(ratios) / len(ratios)
+    assert mean <= 1.05 and max(ratios) <= 1.10, f"found / exhaustive best: {ratios}"

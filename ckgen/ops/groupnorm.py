@@ -282,3 +282,29 @@ def groupnorm_fwd_reference(x: np.ndarray, gamma: np.ndarray | None, beta: np.nd
     if activation == "swish":
         y = y / (1.0 + np.exp(-y))
     return {"y": y, "mean": mean, "rstd": rstd}
+
+
+def groupnorm_bwd_reference(dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,
+                            gamma: np.ndarray | None, groups: int, beta: np.ndarray | None = None,
+                            activation: str = "none") -> dict[str, np.ndarray]:
+    """float64 gradients of groupnorm_fwd_reference w.r.t. x, gamma, beta, given the upstream
+    gradient dy and the forward's mean/rstd (N, G). With activation='swish', dy is the gradient
+    of swish(y) and the pre-activation y is recomputed from x, mean, rstd, gamma, beta."""
+    x = np.asarray(x, dtype=np.float64)
+    dy = np.asarray(dy, dtype=np.float64)
+    N, C, H, W = x.shape
+    g = np.ones(C) if gamma is None else np.asarray(gamma, dtype=np.float64)
+    b = np.zeros(C) if beta is None else np.asarray(beta, dtype=np.float64)
+    m = np.asarray(mean, dtype=np.float64).reshape(N, groups, 1)
+    r = np.asarray(rstd, dtype=np.float64).reshape(N, groups, 1)
+    xhat = ((x.reshape(N, groups, -1) - m) * r).reshape(N, C, H, W)
+    if activation == "swish":
+        y = xhat * g.reshape(1, C, 1, 1) + b.reshape(1, C, 1, 1)
+        s = 1.0 / (1.0 + np.exp(-y))
+        dy = dy * s * (1.0 + y * (1.0 - s))  # d/dy [y * sigmoid(y)]
+    dbeta = dy.sum(axis=(0, 2, 3))
+    dgamma = (dy * xhat).sum(axis=(0, 2, 3))
+    dxhat = (dy * g.reshape(1, C, 1, 1)).reshape(N, groups, -1)
+    xh = xhat.reshape(N, groups, -1)
+    dx = r * (dxhat - dxhat.mean(axis=2, keepdims=True) - xh * (dxhat * xh).mean(axis=2, keepdims=True))
+    return {"dx": dx.reshape(N, C, H, W), "dgamma": dgamma, "dbeta": dbeta}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -151,6 +152,49 @@ def cmd_db_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from . import db as dbmod
+    from . import library
+
+    targets = [t for t in args.target.split(",") if t]
+    try:
+        for t in targets:
+            library.Target.named(t)
+        shipped = dbmod.InstanceDB.load(Path(args.db) if args.db else dbmod.shipped_db_path())
+        instances = library.plan(targets, args.ops.split(",") if args.ops else None,
+                                 from_db=not args.defaults, db=shipped)
+    except (ValueError, dbmod.DBError) as e:
+        err.print(f"ckgen generate: {e}", markup=False)
+        return 2
+    out = Path(args.out)
+    if args.check:  # regenerate into a temp folder and compare with `out`
+        with tempfile.TemporaryDirectory() as d:
+            library.write(instances, Path(d))
+            diff = library.drift(out, Path(d))
+        if diff:
+            err.print(f"ckgen generate --check: {out} is out of date ({len(diff)} files differ, e.g. "
+                      f"{', '.join(diff[:3])}); run `ckgen generate` with the same options and commit", markup=False)
+            return 1
+        console.print(f"{out}: up to date ({len(instances)} instances)")
+        return 0
+    for t in targets:  # a target's folder is rewritten whole: no stale instances stay behind
+        shutil.rmtree(out / t, ignore_errors=True)
+    library.write(instances, out)
+    console.print(f"wrote {len(instances)} instances for {', '.join(targets)} under {out}")
+    if args.no_compile:
+        return 0
+    built = library.build(instances, args.jobs)
+    library.write_reports(built, out)
+    failed = [b for b in built if not b.ok]
+    for b in failed:
+        err.print(f"FAILED {b.instance.target.arch} {b.instance.source.name}:\n{b.message}", markup=False)
+    console.print(f"built {len(built) - len(failed)} of {len(built)} instances"
+                  + (f"; {len(failed)} failed" if failed else ""))
+    return 1 if failed else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckgen", description="Generate, tune and dispatch GPU kernels.")
     p.add_argument("--db", help="user instance DB (default: $CKGEN_DB or the user cache dir)")
@@ -170,6 +214,19 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     t.set_defaults(fn=cmd_tune)
+
+    g = sub.add_parser("generate", help="write and build the instance library for targets (no GPU needed)")
+    g.add_argument("--target", default="sm_80,sm_90,gfx90a,gfx942,gfx1100", help="comma-separated archs")
+    g.add_argument("--ops", help="comma-separated ops (default: all)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--from-db", action="store_true", help="the DB's winners (default)")
+    src.add_argument("--defaults", action="store_true", help="the default config for each default problem")
+    g.add_argument("--out", default="generated", help="library folder (default: generated)")
+    g.add_argument("--no-compile", action="store_true", help="write sources and manifests only")
+    g.add_argument("--check", action="store_true", help="fail if --out differs from a fresh generation")
+    g.add_argument("--jobs", type=int, help="parallel compiles (default: CPU count)")
+    g.add_argument("--db", default=argparse.SUPPRESS, help="DB to take winners from (default: the shipped DB)")
+    g.set_defaults(fn=cmd_generate)
 
     ls = sub.add_parser("list", help="list ops and DB entries")
     ls.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -9,6 +9,7 @@ import platformdirs
 ENV_DB = "CKGEN_DB"  # path of the user instance DB
 ENV_CACHE = "CKGEN_CACHE_DIR"  # folder for the user DB and optuna studies
 ENV_QUIET = "CKGEN_QUIET"  # "1": no fallback notices from the dispatcher
+ENV_ROCM = "CKGEN_ROCM_PATH"  # a ROCm root (include/hip, device bitcode) for offline HIP builds
 ENV_SHIPPED = "CKGEN_SHIPPED_DB"  # another file in place of the packaged DB (a missing file: none)
 
 
@@ -33,3 +34,12 @@ def quiet() -> bool:
 def shipped_db_override() -> Path | None:
     value = os.environ.get(ENV_SHIPPED)
     return Path(value) if value else None
+
+
+def rocm_path() -> Path | None:
+    """$CKGEN_ROCM_PATH, else the private ROCm unpacked by tools/hip-check, else None."""
+    value = os.environ.get(ENV_ROCM)
+    if value:
+        return Path(value)
+    private = cache_dir() / "rocm" / "usr"
+    return private if private.is_dir() else None

@@ -17,6 +17,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _isolated_db(tmp_path, monkeypatch):
     """Every test gets its own user DB and cache dir; the user's real DB is never touched."""
+    from ckgen import settings
+
+    rocm = settings.rocm_path()  # found through the real cache dir: keep it
+    if rocm is not None:
+        monkeypatch.setenv("CKGEN_ROCM_PATH", str(rocm))
     monkeypatch.setenv("CKGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CKGEN_DB", str(tmp_path / "cache" / "instances.yaml"))
     # Tests see no shipped DB unless they ask for it (test_shipped_db.py reads the packaged file).

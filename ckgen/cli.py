@@ -195,6 +195,64 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_retune(args: argparse.Namespace) -> int:
+    from .target import gpu_status
+
+    why = gpu_status()
+    if why:
+        err.print(f"ckgen retune: no usable GPU: {why}", markup=False)
+        return 2
+    from . import db as dbmod
+    from . import settings
+    from .ops import get_op
+    from .target import device_info
+    from .tune import db_entry, retune_plan, tune_problem
+
+    info = device_info(None)
+    db_path = Path(args.db) if args.db else settings.user_db_path()
+    try:
+        db = _load_db(args)
+    except dbmod.DBError as e:
+        err.print(f"ckgen retune: {e}", markup=False)
+        return 2
+    plan = retune_plan(db, info.target.arch, args.from_arch, args.ops.split(",") if args.ops else None)
+    if not plan:
+        console.print(f"nothing to retune: every DB problem is tuned for {info.target.arch} already")
+        return 0
+    console.print(f"retuning {len(plan)} problem(s) on {info.name} ({info.target.arch}), warm-started "
+                  f"from other archs' winners; DB {db_path}")
+    table = Table(title=f"retune on {info.name}")
+    for col in ("problem", "from", "old config here (us)", "new winner", "us", "speedup"):
+        table.add_column(col)
+    import time
+
+    start, done = time.monotonic(), 0
+    for item in plan:
+        if args.total_timeout is not None and time.monotonic() - start > args.total_timeout:
+            console.print("[yellow]total time budget spent; remaining problems not retuned[/]")
+            break
+        op = get_op(item.op)
+        problem = op.problem_from_key(item.problem)
+        ok = op.validate(problem, item.config, info.target)
+        try:
+            r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
+                             storage=args.storage or settings.study_storage_url(), seed=args.seed,
+                             warm=(item.config,) if ok else ())
+        except RuntimeError as e:
+            err.print(f"{item.problem}: {e}", markup=False)
+            continue
+        dbmod.save_entries(db_path, [db_entry(r, info)])
+        done += 1
+        old = r.warm[0].timing.median_us if r.warm else None
+        table.add_row(item.problem, item.from_arch,
+                      f"{old:.1f}" if old else f"invalid here ({ok.reason})" if not ok else "failed",
+                      r.best.instance, f"{r.best.timing.median_us:.1f}",
+                      f"{old / r.best.timing.median_us:.2f}x" if old else "-")
+    console.print(table)
+    console.print(f"wrote {done} entr{'y' if done == 1 else 'ies'} for {info.target.arch} to {db_path}")
+    return 0 if done == len(plan) else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckgen", description="Generate, tune and dispatch GPU kernels.")
     p.add_argument("--db", help="user instance DB (default: $CKGEN_DB or the user cache dir)")
@@ -227,6 +285,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--jobs", type=int, help="parallel compiles (default: CPU count)")
     g.add_argument("--db", default=argparse.SUPPRESS, help="DB to take winners from (default: the shipped DB)")
     g.set_defaults(fn=cmd_generate)
+
+    rt = sub.add_parser("retune", help="re-tune every DB problem tuned on another arch, on this GPU")
+    rt.add_argument("--from-arch", help="only problems tuned on this arch (default: any other)")
+    rt.add_argument("--ops", help="comma-separated ops (default: all)")
+    rt.add_argument("--trials", type=int, default=40)
+    rt.add_argument("--timeout", type=float, help="seconds per problem")
+    rt.add_argument("--total-timeout", type=float, help="seconds for the whole run")
+    rt.add_argument("--storage", help="optuna storage URL")
+    rt.add_argument("--seed", type=int, default=0)
+    rt.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    rt.set_defaults(fn=cmd_retune)
 
     ls = sub.add_parser("list", help="list ops and DB entries")
     ls.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -45,6 +45,7 @@ class TuneResult:
     pruned: int
     failures: list[tuple[str, str]] = field(default_factory=list)  # (config key, reason)
     seconds: float = 0.0
+    warm: list[Measured] = field(default_factory=list)  # the warm-start configs, measured here
 
     @property
     def gbps(self) -> float:
@@ -104,10 +105,12 @@ class _Objective:
 
 def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: "_Objective", *,
            trials: int, timeout: float | None, storage: str | None, seed: int, batch: int = 16,
-           on_trial: Callable[[int, int, float], None] | None = None) -> tuple[Any, Config]:
+           on_trial: Callable[[int, int, float], None] | None = None,
+           warm: tuple[Config, ...] = ()) -> tuple[Any, Config]:
     """The search loop, apart from the device: `ev` prepares (compiles) and measures configs, or
     raises TrialFailed. Returns the optuna study and the default config measured first.
-    `trials` counts measured candidates (failed ones included); pruned proposals are free."""
+    `trials` counts measured candidates (failed ones included); pruned proposals are free.
+    `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -124,6 +127,9 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: "_Obj
     # "The default" is the space's default, or the valid config nearest it (as the dispatcher does).
     default_cfg = next(c for c in [op.space.default, *op.space.by_distance_from_default()]
                        if op.validate(problem, c, target))
+    for cfg in warm:
+        if op.validate(problem, cfg, target):
+            study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
     study.enqueue_trial(default_cfg.as_dict(), skip_if_exists=True)
     for seed_cfg in op.seed_configs(problem, target, num_sms, count=max(2, min(12, trials // 4))):
         study.enqueue_trial(seed_cfg.as_dict(), skip_if_exists=True)
@@ -186,7 +192,7 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: "_Obj
 
 def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
                  timeout: float | None = None, storage: str | None = None, seed: int = 0,
-                 batch: int = 16,
+                 batch: int = 16, warm: tuple[Config, ...] = (),
                  on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
     """Tune one problem on the current GPU and pick the winner. Candidates are asked from optuna
     in batches of `batch`, compiled in parallel, then verified and timed one by one.
@@ -199,7 +205,7 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     harness = Harness(op, problem, seed=None)  # fresh random inputs every run
     obj = _Objective(op, problem, target, harness, timer)
     study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
-                                storage=storage, seed=seed, batch=batch, on_trial=on_trial)
+                                storage=storage, seed=seed, batch=batch, on_trial=on_trial, warm=warm)
     States = optuna.trial.TrialState
     # Winner: re-measure the best few of this study (incl. earlier sessions) in this run.
     finished = sorted((t for t in study.trials if t.state == States.COMPLETE), key=lambda t: t.value)
@@ -224,7 +230,8 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     copy = timer.copy_time(op.min_bytes(problem))
     return TuneResult(op.name, problem, best_m, default_m, copy, op.min_bytes(problem),
                       trials=len(obj.measured), pruned=obj.pruned,
-                      failures=obj.failures, seconds=time.monotonic() - t0)
+                      failures=obj.failures, seconds=time.monotonic() - t0,
+                      warm=[obj.measured[c] for c in warm if c in obj.measured])
 
 
 def provenance(result: TuneResult) -> dict[str, Any]:
@@ -254,3 +261,37 @@ def db_entry(result: TuneResult, info: DeviceInfo) -> Any:
                  time_us=round(result.best.timing.median_us, 3), gbps=round(result.gbps, 1),
                  default_time_us=round(result.default.timing.median_us, 3) if result.default else -1.0,
                  provenance=tuple(sorted(provenance(result).items())))
+
+
+@dataclass(frozen=True)
+class RetuneItem:
+    op: str
+    problem: str
+    from_arch: str
+    config: Config  # the other arch's winner: the warm start, and the "before" on this GPU
+
+
+def retune_plan(db: Any, arch: str, from_arch: str | None = None, ops: list[str] | None = None) -> list[RetuneItem]:
+    """Every (op, problem) of the DB tuned on another arch and not yet on `arch`, with the winner
+    of the nearest arch (same vendor first, then the closest arch number) as its warm start."""
+    from .ops.spec import Target
+
+    here = Target.named(arch)
+
+    def nearness(e: Any) -> tuple[int, int]:
+        digits = "".join(ch for ch in e.arch if ch.isdigit()) or "0"
+        mine = "".join(ch for ch in arch if ch.isdigit()) or "0"
+        return (e.vendor != here.vendor, abs(int(digits) - int(mine)))
+
+    items: dict[tuple[str, str], RetuneItem] = {}
+    by_key: dict[tuple[str, str], list[Any]] = {}
+    for e in db.entries:
+        if e.arch == arch or (from_arch and e.arch != from_arch) or (ops and e.op not in ops):
+            continue
+        by_key.setdefault((e.op, e.problem), []).append(e)
+    for (op, problem), entries in sorted(by_key.items()):
+        if db.lookup(op, arch, problem) is not None:
+            continue  # already tuned here
+        best = min(entries, key=nearness)
+        items[(op, problem)] = RetuneItem(op, problem, best.arch, Config.of(best.config_dict()))
+    return list(items.values())

@@ -12,7 +12,7 @@ from ckgen import cli, library
 from ckgen import db as dbmod
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
-from ckgen.ops.spec import Config, Target
+from ckgen.ops.spec import Target
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ["sm_80", "sm_90", "gfx90a", "gfx942", "gfx1100"]

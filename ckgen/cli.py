@@ -31,10 +31,7 @@ def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
         acts = [args.activation or "none"]
         return [op.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l, activation=a)
                 for d in (args.dtype or ["bf16"]) for l in (args.layout or ["nchw"]) for a in acts]
-    dp = op.space.default_problems
-    return [op.parse_problem(N=s[0], C=s[1], H=s[2], W=s[3], G=s[4], dtype=d, layout=l, activation=a)
-            for s in dp["shapes"] for d in (args.dtype or dp["dtypes"]) for l in (args.layout or dp["layouts"])
-            for a in ([args.activation] if args.activation else dp["activations"])]
+    return op.default_problems(args.dtype, args.layout, [args.activation] if args.activation else None)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -106,8 +103,7 @@ def _load_db(args: argparse.Namespace) -> Any:
     from . import db as dbmod
     from . import settings
 
-    user = dbmod.InstanceDB.load(Path(args.db) if args.db else settings.user_db_path())
-    return dbmod.InstanceDB.layered(user, dbmod.InstanceDB.load(dbmod.shipped_db_path()))
+    return dbmod.load_layered(Path(args.db) if args.db else settings.user_db_path())
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -467,3 +467,8 @@ def export_csv(db: InstanceDB, stream: IO[str]) -> None:
         config = ";".join(f"{k}={v}" for k, v in e.config)
         writer.writerow([e.op, e.arch, e.device, e.problem, e.instance,
                          repr(e.time_us), repr(e.gbps), repr(e.default_time_us), config])
+
+
+def load_layered(user_path: Path | str) -> InstanceDB:
+    """The view every reader uses: the user DB at `user_path` over the shipped DB."""
+    return InstanceDB.layered(InstanceDB.load(user_path), InstanceDB.load(shipped_db_path()))

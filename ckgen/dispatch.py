@@ -45,9 +45,7 @@ class Dispatcher:
     def database(self) -> dbmod.InstanceDB:
         with self._lock:
             if self._db is None:
-                user = dbmod.InstanceDB.load(settings.user_db_path())
-                shipped = dbmod.InstanceDB.load(dbmod.shipped_db_path())
-                self._db = dbmod.InstanceDB.layered(user, shipped)
+                self._db = dbmod.load_layered(settings.user_db_path())
             return self._db
 
     def reload(self) -> None:
@@ -98,15 +96,14 @@ class Dispatcher:
                 src = render_instance(op, problem, config, target)
                 return Choice(op.name, problem.key(), src.name, config, "nearest",
                               f"{stale}not tuned; using the winner of the nearest tuned problem {e.problem}", e), src
-        space = op.space
-        for config in [space.default, *space.by_distance_from_default()]:
-            if self._usable(op, problem, config, target, max_vec) is None:
-                src = render_instance(op, problem, config, target)
-                what = "the default config" if config == space.default else "the valid config nearest the default"
-                return Choice(op.name, problem.key(), src.name, config, "default",
-                              f"{stale}not tuned and no tuned neighbour fits; using {what} "
-                              f"(run `ckgen tune {op.name}` for this shape)"), src
-        raise ValueError(f"{op.name}: no config of the tuning space can run {problem.key()}")
+        config = op.space.nearest_default(lambda c: self._usable(op, problem, c, target, max_vec) is None)
+        if config is None:
+            raise ValueError(f"{op.name}: no config of the tuning space can run {problem.key()}")
+        src = render_instance(op, problem, config, target)
+        what = "the default config" if config == op.space.default else "the valid config nearest the default"
+        return Choice(op.name, problem.key(), src.name, config, "default",
+                      f"{stale}not tuned and no tuned neighbour fits; using {what} "
+                      f"(run `ckgen tune {op.name}` for this shape)"), src
 
 
 _dispatcher = Dispatcher()

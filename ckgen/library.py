@@ -47,21 +47,9 @@ class Built:
     report: dict[str, Any]  # per kernel symbol: registers, spills, shared memory ...
 
 
-def _default_for(op: OpSpec, problem: Any, target: Target) -> Config | None:
-    for c in [op.space.default, *op.space.by_distance_from_default()]:
-        if op.validate(problem, c, target):
-            return c
-    return None
-
-
 def _problems(op: OpSpec, db: dbmod.InstanceDB) -> list[Any]:
-    dp = op.space.default_problems
-    keys = {e.problem for e in db.select(op.name)}
-    probs = [op.problem_from_key(k) for k in sorted(keys)]
-    if not probs:  # nothing tuned: the space's default problems
-        probs = [op.parse_problem(N=s[0], C=s[1], H=s[2], W=s[3], G=s[4], dtype=d, layout=l, activation=a)
-                 for s in dp["shapes"] for d in dp["dtypes"] for l in dp["layouts"] for a in dp["activations"]]
-    return probs
+    keys = sorted({e.problem for e in db.select(op.name)})
+    return [op.problem_from_key(k) for k in keys] or op.default_problems()  # nothing tuned: the defaults
 
 
 def plan(targets: Iterable[str], ops: Iterable[str] | None = None, *, from_db: bool = True,
@@ -86,7 +74,7 @@ def plan(targets: Iterable[str], ops: Iterable[str] | None = None, *, from_db: b
                         if op.validate(problem, cfg, target):
                             config = cfg
                             break
-                config = config or _default_for(op, problem, target)
+                config = config or op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
                 if config is None:
                     continue
                 src = render_instance(op, problem, config, target)

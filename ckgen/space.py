@@ -5,7 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -67,8 +67,14 @@ class Space:
             self._memo["enumerate"] = tuple(c for c in combos if self.check(c))
         return self._memo["enumerate"]
 
-    def by_distance_from_default(self) -> list[Config]:
+    def nearest_default(self, usable: Callable[[Config], bool]) -> Config | None:
+        """The default if `usable`, else the usable point nearest it (None if there is none)."""
+        return next((c for c in self.by_distance_from_default() if usable(c)), None)
+
+    def by_distance_from_default(self) -> tuple[Config, ...]:
         """Every point, nearest the default first (count of differing knobs, then value order)."""
+        if "by_distance" in self._memo:
+            return self._memo["by_distance"]
         params = self.params
         d = self.default.as_dict()
 
@@ -78,7 +84,8 @@ class Space:
             order = tuple(abs(params[k].index(v[k]) - params[k].index(d[k])) for k in sorted(params))
             return diff, order
 
-        return sorted(self.enumerate(), key=rank)
+        self._memo["by_distance"] = tuple(sorted(self.enumerate(), key=rank))
+        return self._memo["by_distance"]
 
 
 def _parse(doc: dict[str, Any]) -> Space:

@@ -125,8 +125,8 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: "_Obj
     # far fewer proposals are pruned, and the sampler's history stays small.
     choices = {n: [v for v in vals if any(c[n] == v for c in valid)] for n, vals in op.space.params.items()}
     # "The default" is the space's default, or the valid config nearest it (as the dispatcher does).
-    default_cfg = next(c for c in [op.space.default, *op.space.by_distance_from_default()]
-                       if op.validate(problem, c, target))
+    default_cfg = op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
+    assert default_cfg is not None  # `valid` is non-empty
     for cfg in warm:
         if op.validate(problem, cfg, target):
             study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)

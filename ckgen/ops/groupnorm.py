@@ -19,7 +19,6 @@ _INT32_MAX = 2**31 - 1
 class GroupNormProblem(Problem):
     """Everything that picks a GroupNorm instance: the DB key. eps is a run-time argument."""
 
-    op: ClassVar[str] = "groupnorm_fwd"
     N: int
     C: int
     H: int
@@ -76,7 +75,6 @@ def _regs_per_thread(config: Config) -> int:
 class GroupNormFwd(OpSpec):
     name: ClassVar[str] = "groupnorm_fwd"
     template: ClassVar[str] = "groupnorm_fwd.cu.j2"
-    problem_type: ClassVar[type] = GroupNormProblem
 
     @property
     def space(self):
@@ -87,6 +85,13 @@ class GroupNormFwd(OpSpec):
 
     def problem_from_key(self, key: str) -> GroupNormProblem:
         return GroupNormProblem.from_key(key)
+
+    def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
+                         activations: list[str] | None = None) -> list[GroupNormProblem]:
+        dp = self.space.default_problems
+        return [GroupNormProblem(N, C, H, W, G, d, l, a) for N, C, H, W, G in dp["shapes"]
+                for d in dtypes or dp["dtypes"] for l in layouts or dp["layouts"]
+                for a in activations or dp["activations"]]
 
     def vec_elems(self, problem: GroupNormProblem, config: Config) -> int:
         return config["vec_bytes"] // DTYPES[problem.dtype]["itemsize"]

@@ -102,7 +102,6 @@ class Tolerance:
 class Problem(abc.ABC):
     """A problem of one op: the DB key is `key()`; the op's `problem_from_key` inverts it."""
 
-    op: ClassVar[str]
     dtype: str
 
     @abc.abstractmethod
@@ -121,13 +120,17 @@ class OpSpec(abc.ABC):
 
     name: ClassVar[str]
     template: ClassVar[str]
-    problem_type: ClassVar[type]
 
     @abc.abstractmethod
     def parse_problem(self, **kw: Any) -> Problem: ...
 
     @abc.abstractmethod
     def problem_from_key(self, key: str) -> Problem: ...
+
+    @abc.abstractmethod
+    def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
+                         activations: list[str] | None = None) -> list[Problem]:
+        """The space's default problems (what `ckgen tune OP` tunes); lists given here replace the YAML's."""
 
     @abc.abstractmethod
     def validate(self, problem: Any, config: Config, target: Target) -> Support: ...

@@ -23,15 +23,9 @@ def _csv_ints(text: str) -> list[int]:
 
 def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
     if args.shape:
-        if len(args.shape) != 4:
-            raise ValueError(f"--shape: takes N,C,H,W (4 numbers), got {len(args.shape)}")
-        if args.groups is None:
-            raise ValueError("--groups: required with --shape")
-        n, c, h, w = args.shape
-        acts = [args.activation or "none"]
-        return [op.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l, activation=a)
-                for d in (args.dtype or ["bf16"]) for l in (args.layout or ["nchw"]) for a in acts]
-    return op.default_problems(args.dtype, args.layout, [args.activation] if args.activation else None)
+        return op.problems_from_cli(args)
+    acts = [args.activation] if getattr(args, "activation", None) else None
+    return op.default_problems(args.dtype, args.layout, acts)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

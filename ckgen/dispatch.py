@@ -140,39 +140,53 @@ def _groupnorm_problem(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any, act
     return op, problem, xt, gt, bt
 
 
+def launch(op: OpSpec, problem: Problem, like: Any, ptrs: dict[str, int], eps: float = 0.0) -> Choice:
+    """Pick the instance for `problem` on `like`'s device and run every launch of it on the
+    current stream of `like` (a DeviceTensor), with a workspace if the config needs one.
+    `ptrs` maps the op's buffer names to device pointers; the alignment of all of them bounds
+    the vector width."""
+    import cupy
+
+    from .compile import load_kernel
+    from .target import device_info
+    from .tensors import alignment, data_ptr, empty_f32, stream_for
+
+    with cupy.cuda.Device(like.device):
+        target = device_info(like.device).target
+        choice, src = _dispatcher.choose(op, problem, target, alignment(*ptrs.values()))
+        launches = op.launches(problem, choice.config, target)
+        kernels = [load_kernel(src, target, l.kernel) for l in launches]
+        ws_bytes = op.workspace_bytes(problem, choice.config)
+        ptrs = dict(ptrs)
+        if ws_bytes:
+            ws = empty_f32(like, ((ws_bytes + 3) // 4,))
+            ptrs["ws"] = data_ptr(ws)
+        args = op.kernel_args(problem, ptrs, float(eps))
+        with stream_for(like):
+            for kernel, l in zip(kernels, launches):
+                kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
+    return choice
+
+
 def groupnorm_fwd(x: Any, gamma: Any, beta: Any, groups: int, eps: float = 1e-5,
                   activation: str | None = None) -> tuple[Any, Any, Any]:
     """y, mean, rstd = GroupNorm(x) (then swish if activation='swish'); mean/rstd fp32 (N, G).
     Same semantics as torch.nn.functional.group_norm; y keeps x's memory layout."""
     import cupy
 
-    from .compile import load_kernel
-    from .target import device_info
-    from .tensors import alignment, data_ptr, empty_f32, empty_like_layout, stream_for
+    from .tensors import data_ptr, empty_f32, empty_like_layout
 
     op, problem, xt, gt, bt = _groupnorm_problem(x, gamma, beta, groups, eps, activation)
     with cupy.cuda.Device(xt.device):
-        target = device_info(xt.device).target
         y = empty_like_layout(xt, xt.shape, problem.layout)
         mean = empty_f32(xt, (problem.N, problem.G))
         rstd = empty_f32(xt, (problem.N, problem.G))
-        ptrs = {"x": xt.ptr, "y": data_ptr(y), "mean": data_ptr(mean), "rstd": data_ptr(rstd)}
-        if gt is not None:
-            ptrs["gamma"] = gt.ptr
-        if bt is not None:
-            ptrs["beta"] = bt.ptr
-        max_vec = alignment(xt.ptr, ptrs["y"], ptrs.get("gamma", 0), ptrs.get("beta", 0))
-        choice, src = _dispatcher.choose(op, problem, target, max_vec)
-        launches = op.launches(problem, choice.config, target)
-        kernels = [load_kernel(src, target, l.kernel) for l in launches]
-        ws_bytes = op.workspace_bytes(problem, choice.config)
-        ws = empty_f32(xt, ((ws_bytes + 3) // 4,)) if ws_bytes else None
-        if ws is not None:
-            ptrs["ws"] = data_ptr(ws)
-        args = op.kernel_args(problem, ptrs, float(eps))
-        with stream_for(xt):
-            for kernel, l in zip(kernels, launches):
-                kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
+    ptrs = {"x": xt.ptr, "y": data_ptr(y), "mean": data_ptr(mean), "rstd": data_ptr(rstd)}
+    if gt is not None:
+        ptrs["gamma"] = gt.ptr
+    if bt is not None:
+        ptrs["beta"] = bt.ptr
+    launch(op, problem, xt, ptrs, eps)
     return y, mean, rstd
 
 

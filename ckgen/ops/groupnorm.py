@@ -93,6 +93,16 @@ class GroupNormFwd(OpSpec):
                 for d in dtypes or dp["dtypes"] for l in layouts or dp["layouts"]
                 for a in activations or dp["activations"]]
 
+    def problems_from_cli(self, args: Any) -> list[GroupNormProblem]:
+        if len(args.shape) != 4:
+            raise ValueError(f"--shape: takes N,C,H,W (4 numbers), got {len(args.shape)}")
+        if args.groups is None:
+            raise ValueError("--groups: required with --shape")
+        n, c, h, w = args.shape
+        return [self.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l,
+                                   activation=args.activation or "none")
+                for d in (args.dtype or ["bf16"]) for l in (args.layout or ["nchw"])]
+
     def vec_elems(self, problem: GroupNormProblem, config: Config) -> int:
         return config["vec_bytes"] // DTYPES[problem.dtype]["itemsize"]
 

@@ -127,6 +127,11 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def problem_from_key(self, key: str) -> Problem: ...
 
+    def problems_from_cli(self, args: Any) -> list[Problem]:
+        """The problems `ckgen tune OP --shape ...` names (args: the CLI's argparse namespace,
+        with dtype/layout lists that may be None). Raise ValueError naming the bad option."""
+        raise ValueError(f"--shape: {self.name} takes no shape from the command line")
+
     @abc.abstractmethod
     def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
                          activations: list[str] | None = None) -> list[Problem]:

@@ -2,13 +2,14 @@
 
     import ckgen
     y, mean, rstd = ckgen.groupnorm_fwd(x, gamma, beta, groups=32, activation="swish")
+    dx, dgamma, dbeta = ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, 32, beta, activation="swish")
     print(ckgen.explain("groupnorm_fwd", x, gamma, beta, 32))
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .dispatch import explain, groupnorm_fwd
+from .dispatch import explain, groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
 from .tensors import bfloat16
 
 
@@ -19,4 +20,5 @@ def reload_db() -> None:
     dispatcher().reload()
 
 
-__all__ = ["__version__", "bfloat16", "explain", "groupnorm_fwd", "reload_db"]
+__all__ = ["__version__", "bfloat16", "explain", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta",
+           "groupnorm_fwd", "reload_db"]

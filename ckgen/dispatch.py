@@ -140,11 +140,12 @@ def _groupnorm_problem(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any, act
     return op, problem, xt, gt, bt
 
 
-def launch(op: OpSpec, problem: Problem, like: Any, ptrs: dict[str, int], eps: float = 0.0) -> Choice:
+def launch(op: OpSpec, problem: Problem, like: Any, ptrs: dict[str, int], eps: float = 0.0,
+           vector_args: tuple[str, ...] | None = None) -> Choice:
     """Pick the instance for `problem` on `like`'s device and run every launch of it on the
     current stream of `like` (a DeviceTensor), with a workspace if the config needs one.
-    `ptrs` maps the op's buffer names to device pointers; the alignment of all of them bounds
-    the vector width."""
+    `ptrs` maps the op's buffer names to device pointers; the alignment of those the kernels
+    access with vectors (`vector_args`, default all) bounds the vector width."""
     import cupy
 
     from .compile import load_kernel
@@ -153,7 +154,8 @@ def launch(op: OpSpec, problem: Problem, like: Any, ptrs: dict[str, int], eps: f
 
     with cupy.cuda.Device(like.device):
         target = device_info(like.device).target
-        choice, src = _dispatcher.choose(op, problem, target, alignment(*ptrs.values()))
+        vec_ptrs = [v for k, v in ptrs.items() if vector_args is None or k in vector_args]
+        choice, src = _dispatcher.choose(op, problem, target, alignment(*vec_ptrs))
         launches = op.launches(problem, choice.config, target)
         kernels = [load_kernel(src, target, l.kernel) for l in launches]
         ws_bytes = op.workspace_bytes(problem, choice.config)
@@ -186,26 +188,126 @@ def groupnorm_fwd(x: Any, gamma: Any, beta: Any, groups: int, eps: float = 1e-5,
         ptrs["gamma"] = gt.ptr
     if bt is not None:
         ptrs["beta"] = bt.ptr
-    launch(op, problem, xt, ptrs, eps)
+    launch(op, problem, xt, ptrs, eps, vector_args=("x", "y", "gamma", "beta"))
     return y, mean, rstd
 
 
+def _groupnorm_bwd_problem(op_name: str, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, beta: Any,
+                           groups: Any, activation: Any):
+    from .tensors import as_device_tensor, check_vector, layout_of
+
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"groups: expected a positive int, got {groups!r}")
+    if activation not in (None, "none", "swish"):
+        raise ValueError(f"activation: expected None or 'swish', got {activation!r}")
+    xt = as_device_tensor(x, "x")
+    layout = layout_of(xt, "x")
+    dyt = as_device_tensor(dy, "dy")
+    if dyt.shape != xt.shape:
+        raise ValueError(f"dy: shape {dyt.shape} differs from x's {xt.shape}")
+    if dyt.dtype != xt.dtype:
+        raise TypeError(f"dy: dtype {dyt.dtype} differs from x's {xt.dtype}; cast it to x's dtype")
+    if dyt.device != xt.device:
+        raise ValueError(f"dy: on device {dyt.device} but x is on device {xt.device}")
+    if layout_of(dyt, "dy") != layout:
+        raise ValueError(f"dy: memory layout {layout_of(dyt, 'dy')} differs from x's {layout}; "
+                         f"make both NCHW-contiguous or both channels-last")
+    N, C, H, W = xt.shape
+    if C % groups:
+        raise ValueError(f"groups: C={C} is not divisible by groups={groups}")
+    stats = []
+    for arg, t in (("mean", mean), ("rstd", rstd)):
+        st = as_device_tensor(t, arg)
+        if st.dtype != "fp32":
+            raise TypeError(f"{arg}: expected float32 (as groupnorm_fwd returns it), got {st.dtype}")
+        if st.shape not in ((N, groups), (N * groups,)):
+            raise ValueError(f"{arg}: expected shape ({N}, {groups}), got {st.shape}")
+        if st.strides not in ((groups, 1), (1,)) and N * groups > 1:
+            raise ValueError(f"{arg}: must be contiguous, got strides {st.strides}")
+        if st.device != xt.device:
+            raise ValueError(f"{arg}: on device {st.device} but x is on device {xt.device}")
+        stats.append(st)
+    gt = as_device_tensor(gamma, "gamma") if gamma is not None else None
+    bt = as_device_tensor(beta, "beta") if beta is not None else None
+    check_vector(gt, "gamma", C, xt.dtype, xt.device)
+    check_vector(bt, "beta", C, xt.dtype, xt.device)
+    op = get_op(op_name)
+    problem = op.parse_problem(N=N, C=C, H=H, W=W, G=groups, dtype=xt.dtype, layout=layout,
+                               activation=activation or "none")
+    ptrs = {"x": xt.ptr, "dy": dyt.ptr, "mean": stats[0].ptr, "rstd": stats[1].ptr}
+    if gt is not None:
+        ptrs["gamma"] = gt.ptr
+    if bt is not None:
+        ptrs["beta"] = bt.ptr
+    return op, problem, xt, ptrs
+
+
+def _groupnorm_bwd_run(op_name: str, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, beta: Any,
+                       groups: Any, activation: Any) -> dict[str, Any]:
+    import cupy
+
+    from .tensors import data_ptr, empty_like_layout, empty_vector
+
+    op, problem, xt, ptrs = _groupnorm_bwd_problem(op_name, dy, x, mean, rstd, gamma, beta, groups, activation)
+    out: dict[str, Any] = {}
+    with cupy.cuda.Device(xt.device):
+        if "dx" in op.outputs:
+            out["dx"] = empty_like_layout(xt, xt.shape, problem.layout)
+        for k in ("dgamma", "dbeta"):
+            if k in op.outputs:
+                out[k] = empty_vector(xt, problem.C)
+    launch(op, problem, xt, {**ptrs, **{k: data_ptr(v) for k, v in out.items()}},
+           vector_args=("x", "dy", "dx", "gamma", "beta"))
+    return out
+
+
+def groupnorm_bwd(dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, groups: int, beta: Any = None,
+                  activation: str | None = None) -> tuple[Any, Any, Any]:
+    """dx, dgamma, dbeta of groupnorm_fwd (and swish, recomputed from x, mean, rstd, gamma, beta)
+    given the upstream gradient dy and the forward's mean/rstd. dgamma/dbeta are deterministic
+    (fixed-order sums, no atomics) and have x's dtype; dx keeps x's layout."""
+    o = _groupnorm_bwd_run("groupnorm_bwd", dy, x, mean, rstd, gamma, beta, groups, activation)
+    return o["dx"], o["dgamma"], o["dbeta"]
+
+
+def groupnorm_bwd_data(dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, groups: int, beta: Any = None,
+                       activation: str | None = None) -> Any:
+    """dx of groupnorm_fwd alone (see groupnorm_bwd)."""
+    return _groupnorm_bwd_run("groupnorm_bwd_data", dy, x, mean, rstd, gamma, beta, groups, activation)["dx"]
+
+
+def groupnorm_bwd_gamma_beta(dy: Any, x: Any, mean: Any, rstd: Any, groups: int, gamma: Any = None,
+                             beta: Any = None, activation: str | None = None) -> tuple[Any, Any]:
+    """dgamma, dbeta of groupnorm_fwd alone (see groupnorm_bwd); gamma/beta are needed only for swish."""
+    o = _groupnorm_bwd_run("groupnorm_bwd_gamma_beta", dy, x, mean, rstd, gamma, beta, groups, activation)
+    return o["dgamma"], o["dbeta"]
+
+
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
-    """Which instance would this call use, and why? `explain("groupnorm_fwd", x, gamma, beta, 32)`
-    or with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
+    """Which instance would this call use, and why? With the call's arguments, e.g.
+    `explain("groupnorm_fwd", x, gamma, beta, 32)` or `explain("groupnorm_bwd", dy, x, mean, rstd,
+    gamma, 32)`, or with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
     layout="nhwc", arch="sm_90")`. Launches nothing."""
     op = get_op(op_name)
     if args:
-        if op_name != "groupnorm_fwd":
-            raise ValueError(f"op: explain with tensors is implemented for groupnorm_fwd, not {op_name}")
         from .target import device_info
+        from .tensors import alignment
 
-        names = ("x", "gamma", "beta", "groups", "eps", "activation")
-        call = dict(zip(names, args), **kwargs)
-        call.setdefault("eps", 1e-5)
-        call.setdefault("activation", None)
-        op, problem, xt, *_ = _groupnorm_problem(**{k: call.get(k) for k in names})
-        target = device_info(xt.device).target
+        if op_name == "groupnorm_fwd":
+            names: tuple[str, ...] = ("x", "gamma", "beta", "groups", "eps", "activation")
+            call = {"eps": 1e-5, "activation": None, **dict(zip(names, args)), **kwargs}
+            op, problem, xt, gt, bt = _groupnorm_problem(**{k: call.get(k) for k in names})
+            vec = alignment(xt.ptr, *(t.ptr for t in (gt, bt) if t is not None))
+        elif op_name in ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta"):
+            names = ("dy", "x", "mean", "rstd", "gamma", "groups", "beta", "activation")
+            if op_name == "groupnorm_bwd_gamma_beta":
+                names = ("dy", "x", "mean", "rstd", "groups", "gamma", "beta", "activation")
+            call = {"gamma": None, "beta": None, "activation": None, **dict(zip(names, args)), **kwargs}
+            op, problem, xt, ptrs = _groupnorm_bwd_problem(op_name, **{k: call.get(k) for k in names})
+            vec = alignment(*(v for k, v in ptrs.items() if k not in ("mean", "rstd")))
+        else:
+            raise ValueError(f"op: explain with tensors is implemented for the GroupNorm ops, not {op_name}")
+        return _dispatcher.choose(op, problem, device_info(xt.device).target, vec)[0]
     else:
         arch = kwargs.pop("arch", None)
         if arch is None:

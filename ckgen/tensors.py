@@ -133,6 +133,19 @@ def empty_like_layout(ref: DeviceTensor, shape: tuple[int, int, int, int], layou
     return bfloat16(a) if ref.dtype == "bf16" else a
 
 
+def empty_vector(ref: DeviceTensor, length: int) -> Any:
+    """A new contiguous (length,) vector of `ref`'s framework, dtype and device."""
+    if ref.kind == "torch":
+        import torch
+
+        return torch.empty((length,), dtype=ref.obj.dtype, device=ref.obj.device)
+    import cupy
+
+    with cupy.cuda.Device(ref.device):
+        a = cupy.empty((length,), {"fp32": "float32", "fp16": "float16", "bf16": "uint16"}[ref.dtype])
+    return bfloat16(a) if ref.dtype == "bf16" else a
+
+
 def empty_f32(ref: DeviceTensor, shape: tuple[int, ...]) -> Any:
     if ref.kind == "torch":
         import torch

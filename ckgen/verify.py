@@ -62,7 +62,7 @@ class Harness:
         got = self.op.unpack_outputs(self.problem, self.dev_out)  # compared on the device
         worst, worst_name = 0.0, ""
         for name, ref in self.ref.items():
-            tol = self.op.tolerance(self.problem.dtype, name)
+            tol = self.op.problem_tolerance(self.problem, name)
             k = (widen or {}).get(name, 1.0)
             v = max_violation(got[name], ref, k * tol.atol, k * tol.rtol)
             if v > worst or not worst_name:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from .groupnorm import GroupNormFwd
+from .groupnorm_bwd import GroupNormBwd, GroupNormBwdData, GroupNormBwdGammaBeta
 from .spec import OpSpec
 
-_REGISTRY: dict[str, OpSpec] = {spec.name: spec for spec in (GroupNormFwd(),)}
+_REGISTRY: dict[str, OpSpec] = {spec.name: spec for spec in (GroupNormFwd(), GroupNormBwd(), GroupNormBwdData(),
+                                                                GroupNormBwdGammaBeta())}
 
 
 def get_op(name: str) -> OpSpec:

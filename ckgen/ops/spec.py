@@ -166,6 +166,10 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def tolerance(self, dtype: str, output: str) -> Tolerance: ...
 
+    def problem_tolerance(self, problem: Any, output: str) -> Tolerance:
+        """The tolerance verification uses; ops whose error grows with the shape override it."""
+        return self.tolerance(problem.dtype, output)
+
     def seed_configs(self, problem: Any, target: Target, num_sms: int, count: int) -> list[Config]:
         """Configs a tuner should measure first (a warm start); by default none."""
         return []

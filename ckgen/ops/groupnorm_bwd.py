@@ -1,0 +1,288 @@
+"""GroupNorm backward ops: dx + dgamma/dbeta (`groupnorm_bwd`), dx alone (`groupnorm_bwd_data`),
+dgamma/dbeta alone (`groupnorm_bwd_gamma_beta`). One template (groupnorm_bwd.cu.j2) serves all
+three; each op is one OpSpec with its own tuning space."""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from ..space import load_space
+from .groupnorm import GroupNormProblem, groupnorm_bwd_reference, groupnorm_fwd_reference
+from .numeric import from_storage, round_to, to_storage
+from .spec import DTYPES, Config, Launch, OpSpec, Support, Target, Tolerance
+
+_INT32_MAX = 2**31 - 1
+MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)
+NCHW_STEP_VECTORS = 2048  # NCHW: per-vector partials of one step in shared memory
+DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (see the template)
+
+
+def _regs_per_thread(config: Config) -> int:
+    return min(255, 65536 // (config["threads"] * config["min_blocks"]))
+
+
+class _GroupNormBwd(OpSpec):
+    """What the three backward ops share; subclasses say which outputs they produce."""
+
+    template: ClassVar[str] = "groupnorm_bwd.cu.j2"
+    want_dx: ClassVar[bool]
+    want_dgb: ClassVar[bool]
+    outputs: ClassVar[tuple[str, ...]]
+
+    @property
+    def space(self):
+        return load_space(self.name)
+
+    # ---- problems ----
+    def parse_problem(self, **kw: Any) -> GroupNormProblem:
+        return GroupNormProblem(**kw)
+
+    def problem_from_key(self, key: str) -> GroupNormProblem:
+        return GroupNormProblem.from_key(key)
+
+    def problems_from_cli(self, args: Any) -> list[GroupNormProblem]:
+        if len(args.shape) != 4:
+            raise ValueError(f"--shape: takes N,C,H,W (4 numbers), got {len(args.shape)}")
+        if args.groups is None:
+            raise ValueError("--groups: required with --shape")
+        n, c, h, w = args.shape
+        return [self.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l,
+                                   activation=args.activation or "none")
+                for d in (args.dtype or ["bf16"]) for l in (args.layout or ["nchw"])]
+
+    def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
+                         activations: list[str] | None = None) -> list[GroupNormProblem]:
+        dp = self.space.default_problems
+        return [GroupNormProblem(N, C, H, W, G, d, l, a) for N, C, H, W, G in dp["shapes"]
+                for d in dtypes or dp["dtypes"] for l in layouts or dp["layouts"]
+                for a in activations or dp["activations"]]
+
+    # ---- configs ----
+    def scheme(self, config: Config) -> str:
+        return config["scheme"] if self.want_dx else "multi_stage"
+
+    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        in_space = self.space.check(config)
+        if not in_space:
+            return in_space
+        item = DTYPES[p.dtype]["itemsize"]
+        vb, threads, items = config["vec_bytes"], config["threads"], config["items"]
+        gpb, split, scheme = config["groups_per_block"], config["split"], self.scheme(config)
+        if vb % item:
+            return Support.no(f"vec_bytes={vb} is not a whole number of {p.dtype} elements")
+        vec = vb // item
+        if threads % target.warp_size:
+            return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
+        if scheme != "multi_stage" and split > 1 and not target.clusters:
+            return Support.no(f"{scheme} with split={split} needs thread-block clusters (sm_90+); "
+                              f"{target.arch} has none (multi_stage splits through memory)")
+        if p.Cg * p.HW // vec > _INT32_MAX:
+            return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
+        # single_pass holds x and dy packed; streaming keeps 2 x items x vec fp32 values in flight
+        regs = (2 * items * vec * item // 4 if scheme == "single_pass" else 2 * items * vec) + 40
+        if p.layout == "nhwc":
+            regs += 7 * vec  # fixed per-channel params, sums and dx coefficients
+        if regs > _regs_per_thread(config):
+            return Support.no(f"{items}x{vec} values of x and dy per thread exceed the register budget of "
+                              f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
+        ch = gpb * p.Cg
+        if ch > MAX_TILE_CHANNELS:
+            return Support.no(f"tile of {ch} channels exceeds {MAX_TILE_CHANNELS} (shared-memory channel sums)")
+        if p.layout == "nchw":
+            if gpb != 1:
+                return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
+            if p.HW % vec:
+                return Support.no(f"vector of {vec} does not divide H*W={p.HW}")
+            if threads * items > NCHW_STEP_VECTORS:
+                return Support.no(f"threads*items={threads * items} exceeds {NCHW_STEP_VECTORS} per-vector "
+                                  f"partials in shared memory (NCHW)")
+            share = -(-(p.Cg * p.HW // vec) // split)
+            if scheme == "single_pass" and share > threads * items:
+                return Support.no(f"slice share of {share} vectors exceeds threads*items={threads * items}")
+            if split > 1 and share < threads // 4:
+                return Support.no(f"a split of {split} leaves each block {share} vectors for {threads} threads")
+        else:
+            if p.G % gpb:
+                return Support.no(f"groups_per_block={gpb} does not divide G={p.G}")
+            if ch % vec:
+                return Support.no(f"vector of {vec} does not divide the tile's {ch} channels ({gpb} groups x {p.Cg})")
+            cols = ch // vec
+            if cols > threads:
+                return Support.no(f"{cols} vector columns ({gpb} groups x {p.Cg} channels) exceed threads={threads}")
+            rows = threads // cols
+            if rows * cols * 4 < threads * 3:
+                return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)")
+            share = -(-p.HW // split)
+            if scheme == "single_pass" and share > rows * items:
+                return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
+            if split > 1 and share < rows:
+                return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
+        if self._blocks(p, config) > _INT32_MAX or p.N * split * p.C * 2 > _INT32_MAX:
+            return Support.no("grid or workspace too large")
+        return Support.yes()
+
+    def seed_configs(self, p: GroupNormProblem, target: Target, num_sms: int, count: int) -> list[Config]:
+        """Valid configs a simple model likes: wide vectors, enough blocks to fill the GPU, data read
+        once where it fits, and one of each (scheme, split > 1) family first."""
+        def score(c: Config) -> float:
+            blocks = self._blocks(p, c)
+            per_sm = max(1, min(c["min_blocks"], 2048 // c["threads"]))
+            fill = min(1.0, blocks / (num_sms * per_sm))
+            step = c["threads"] * c["items"] * c["vec_bytes"]
+            once = self.scheme(c) == "single_pass"
+            return 2.0 * c["vec_bytes"] / 16 + 2.0 * fill + 0.5 * once + (8 << 10 <= step <= 64 << 10)
+
+        valid = sorted((c for c in self.space.enumerate() if self.validate(p, c, target)), key=score, reverse=True)
+        picked: list[Config] = []
+        seen: set[tuple[str, bool]] = set()
+        for c in valid:
+            fam = (self.scheme(c), c["split"] > 1)
+            if fam not in seen:
+                seen.add(fam)
+                picked.append(c)
+        picked += [c for c in valid if c not in picked]
+        return picked[:count]
+
+    def instance_name(self, p: GroupNormProblem, config: Config) -> str:
+        c = config
+        act = "_swish" if p.activation == "swish" else ""
+        scheme = {"single_pass": "sp", "fused": "fu", "multi_stage": "ms"}[self.scheme(c)]
+        return (f"ckgen_{self.name}_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}_i{c['items']}"
+                f"_g{c['groups_per_block']}_{scheme}_s{c['split']}_m{c['min_blocks']}")
+
+    def render_context(self, p: GroupNormProblem, config: Config, target: Target) -> dict[str, Any]:
+        d = DTYPES[p.dtype]
+        ctx = dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, activation=p.activation,
+                   storage=d["storage"], itemsize=d["itemsize"], vec=config["vec_bytes"] // d["itemsize"],
+                   want_dx=self.want_dx, want_dgb=self.want_dgb, scheme=self.scheme(config))
+        return ctx
+
+    # ---- launches and memory ----
+    def _blocks(self, p: GroupNormProblem, config: Config) -> int:
+        return p.N * (p.G // config["groups_per_block"]) * config["split"]
+
+    def launches(self, p: GroupNormProblem, config: Config, target: Target) -> tuple[Launch, ...]:
+        name = self.instance_name(p, config)
+        grid, block = (self._blocks(p, config), 1, 1), (config["threads"], 1, 1)
+        smem = 2 * 4 * config["groups_per_block"] * p.Cg  # per-channel sums (dynamic shared memory)
+        out: list[Launch] = []
+        if self.scheme(config) == "multi_stage":
+            out.append(Launch(f"{name}_stats", grid, block, smem))
+        if self.want_dx:
+            out.append(Launch(name, grid, block, smem))
+        if self.want_dgb:
+            out.append(Launch(f"{name}_dgb", (-(-p.C // DGB_CHANNELS), 1, 1), (DGB_CHANNELS * DGB_ROW_LANES, 1, 1)))
+        return tuple(out)
+
+    def _ab_floats(self, p: GroupNormProblem, config: Config) -> int:
+        multi = self.want_dx and self.scheme(config) == "multi_stage"
+        return self._blocks(p, config) * config["groups_per_block"] * 2 if multi else 0
+
+    def workspace_bytes(self, p: GroupNormProblem, config: Config) -> int:
+        # (ds, db) partial rows of the dgamma/dbeta fold first, then multi_stage's A/B partials
+        dgb = p.N * config["split"] * p.C * 2 if self.want_dgb else 0
+        return 4 * (dgb + self._ab_floats(p, config))
+
+    def kernel_args(self, p: GroupNormProblem, ptrs: Mapping[str, int], eps: float) -> tuple:
+        u = np.uint64
+        return (u(ptrs["x"]), u(ptrs["dy"]), u(ptrs["mean"]), u(ptrs["rstd"]), u(ptrs.get("gamma", 0)),
+                u(ptrs.get("beta", 0)), u(ptrs.get("dx", 0)), u(ptrs.get("dgamma", 0)), u(ptrs.get("dbeta", 0)),
+                u(ptrs.get("ws", 0)), np.int32(p.N), np.int32(p.C), np.int32(p.HW), np.int32(p.G))
+
+    def min_bytes(self, p: GroupNormProblem) -> int:
+        # read x and dy; write dx (the per-channel outputs are negligible)
+        return (3 if self.want_dx else 2) * p.numel * DTYPES[p.dtype]["itemsize"]
+
+    # ---- data ----
+    def make_inputs(self, p: GroupNormProblem, rng: np.random.Generator,
+                    offset: float = 0.0, eps: float = 1e-5) -> dict[str, np.ndarray]:
+        shape = (p.N, p.C, p.H, p.W)
+        chan_mu = rng.normal(0.0, 0.5, size=(1, p.C, 1, 1))
+        chan_sd = rng.uniform(0.5, 2.0, size=(1, p.C, 1, 1))
+        x = round_to(offset + chan_mu + chan_sd * rng.standard_normal(shape), p.dtype)
+        gamma = round_to(1.0 + 0.25 * rng.standard_normal(p.C), p.dtype)
+        beta = round_to(0.25 * rng.standard_normal(p.C), p.dtype)
+        # mean/rstd as the forward stores them: fp32
+        fwd = groupnorm_fwd_reference(x, None, None, p.G, eps)
+        mean = fwd["mean"].astype(np.float32).astype(np.float64)
+        rstd = fwd["rstd"].astype(np.float32).astype(np.float64)
+        dy = round_to(rng.standard_normal(shape), p.dtype)
+        return {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "gamma": gamma, "beta": beta}
+
+    def reference(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray],
+                  eps: float = 1e-5) -> dict[str, np.ndarray]:
+        r = groupnorm_bwd_reference(inputs["dy"], inputs["x"], inputs["mean"], inputs["rstd"],
+                                    inputs.get("gamma"), p.G, inputs.get("beta"), p.activation)
+        return {k: r[k] for k in self.outputs}
+
+    def tolerance(self, dtype: str, output: str) -> Tolerance:
+        # dx: like the forward's y; dgamma/dbeta: rounding of the result (the sums' fp32
+        # accumulation error grows with N*H*W: see problem_tolerance)
+        if output == "dx":
+            return {"fp32": Tolerance(2e-4, 2e-4), "fp16": Tolerance(4e-3, 4e-3),
+                    "bf16": Tolerance(3e-2, 1.6e-2)}[dtype]
+        return {"fp32": Tolerance(1e-4, 2e-5), "fp16": Tolerance(1e-3, 2e-3),
+                "bf16": Tolerance(8e-3, 1e-2)}[dtype]
+
+    def problem_tolerance(self, p: GroupNormProblem, output: str) -> Tolerance:
+        t = self.tolerance(p.dtype, output)
+        if output == "dx":
+            return t
+        # fp32 sums of N*H*W terms of size ~1: absolute error grows ~ sqrt(count) * 2^-24 * count^0.5
+        count = p.N * p.HW
+        return Tolerance(t.atol + 2e-6 * count, t.rtol)
+
+    def pack_inputs(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        def img(a: np.ndarray) -> np.ndarray:
+            a = a if p.layout == "nchw" else np.transpose(a, (0, 2, 3, 1))
+            return to_storage(np.ascontiguousarray(a), p.dtype).ravel()
+
+        packed = {"x": img(inputs["x"]), "dy": img(inputs["dy"]),
+                  "mean": np.ascontiguousarray(inputs["mean"], dtype=np.float32).ravel(),
+                  "rstd": np.ascontiguousarray(inputs["rstd"], dtype=np.float32).ravel()}
+        for k in ("gamma", "beta"):
+            if inputs.get(k) is not None:
+                packed[k] = to_storage(inputs[k], p.dtype)
+        return packed
+
+    def output_buffers(self, p: GroupNormProblem) -> dict[str, tuple[int, Any]]:
+        bits = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[p.dtype]
+        sizes = {"dx": p.numel, "dgamma": p.C, "dbeta": p.C}
+        return {k: (sizes[k], bits) for k in self.outputs}
+
+    def unpack_outputs(self, p: GroupNormProblem, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {}
+        if "dx" in self.outputs:
+            dx = from_storage(raw["dx"], p.dtype)
+            out["dx"] = dx.reshape(p.N, p.C, p.H, p.W) if p.layout == "nchw" else \
+                dx.reshape(p.N, p.H, p.W, p.C).transpose(0, 3, 1, 2)
+        for k in ("dgamma", "dbeta"):
+            if k in self.outputs:
+                out[k] = from_storage(raw[k], p.dtype)
+        return out
+
+    def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:
+        d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.Cg * a.HW / (b.Cg * b.HW)))
+        d += abs(math.log(a.N * a.G / (b.N * b.G))) + abs(math.log(a.Cg / b.Cg))
+        d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype) + 0.5 * (a.activation != b.activation)
+        return d
+
+
+class GroupNormBwd(_GroupNormBwd):
+    name: ClassVar[str] = "groupnorm_bwd"
+    want_dx, want_dgb = True, True
+    outputs = ("dx", "dgamma", "dbeta")
+
+
+class GroupNormBwdData(_GroupNormBwd):
+    name: ClassVar[str] = "groupnorm_bwd_data"
+    want_dx, want_dgb = True, False
+    outputs = ("dx",)
+
+
+class GroupNormBwdGammaBeta(_GroupNormBwd):
+    name: ClassVar[str] = "groupnorm_bwd_gamma_beta"
+    want_dx, want_dgb = False, True
+    outputs = ("dgamma", "dbeta")

@@ -67,15 +67,16 @@ def main() -> int:
         beta = (0.1 * torch.randn(C, device="cuda")).to(dt)
         ypre, mean, rstd = aten.native_group_norm(x, gamma, beta, N, C, H * W, G, 1e-5)
         ypre = ypre.contiguous(memory_format=fmt)
+        mean32, rstd32 = mean.float(), rstd.float()  # PyTorch keeps them in x's dtype; ckgen takes fp32
 
         def eager(dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma, ypre=ypre):
             g = aten.silu_backward(dy, ypre) if swish else dy
             return aten.native_group_norm_backward(g, x, mean, rstd, gamma, N, C, H * W, G, [True, True, True])
 
         def ours():
-            return ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, G, beta, activation=act if swish else None)
+            return ckgen.groupnorm_bwd(dy, x, mean32, rstd32, gamma, G, beta, activation=act if swish else None)
 
-        choice = ckgen.explain("groupnorm_bwd", dy, x, mean, rstd, gamma, G, beta, activation=act if swish else None)
+        choice = ckgen.explain("groupnorm_bwd", dy, x, mean32, rstd32, gamma, G, beta, activation=act if swish else None)
         got, ref = ours(), eager()
         errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(got, ref)]
         nbytes = op.min_bytes(p)

@@ -3,9 +3,10 @@ torch.compile, in one run.
 
     python bench/groupnorm_bwd.py [--tune-trials 30] [--out bench/results]
 
-PyTorch eager runs what autograd runs for F.group_norm (then F.silu): aten.silu_backward on the
-saved pre-activation, then aten.native_group_norm_backward, for NCHW and channels-last alike.
-torch.compile compiles that same function (inductor decomposes it into Triton kernels).
+PyTorch eager: NCHW runs aten.native_group_norm_backward (after aten.silu_backward on the saved
+pre-activation for swish), what autograd runs; channels-last, which that op rejects, runs the
+autograd backward of F.group_norm (then F.silu) itself. torch.compile compiles the native
+function (inductor decomposes it into Triton kernels), for both layouts.
 Every number is measured in this run: device events, L2 flushed before every run, median.
 Copy-equivalent efficiency = time of a device copy moving the minimum bytes (x + dy read, dx
 written) / op time."""
@@ -30,6 +31,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
+    import torch.nn.functional as F
 
     import ckgen
     from ckgen import db as dbmod
@@ -65,13 +67,26 @@ def main() -> int:
         dy = torch.randn(N, C, H, W, device="cuda").to(dt).contiguous(memory_format=fmt)
         gamma = (1 + 0.1 * torch.randn(C, device="cuda")).to(dt)
         beta = (0.1 * torch.randn(C, device="cuda")).to(dt)
-        ypre, mean, rstd = aten.native_group_norm(x, gamma, beta, N, C, H * W, G, 1e-5)
+        # mean/rstd as PyTorch's forward stores them (computed on an NCHW copy: same values)
+        ypre, mean, rstd = aten.native_group_norm(x.contiguous(), gamma, beta, N, C, H * W, G, 1e-5)
         ypre = ypre.contiguous(memory_format=fmt)
         mean32, rstd32 = mean.float(), rstd.float()  # PyTorch keeps them in x's dtype; ckgen takes fp32
 
-        def eager(dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma, ypre=ypre):
+        def native(dy=dy, x=x, mean=mean, rstd=rstd, gamma=gamma, ypre=ypre):
             g = aten.silu_backward(dy, ypre) if swish else dy
             return aten.native_group_norm_backward(g, x, mean, rstd, gamma, N, C, H * W, G, [True, True, True])
+
+        if case["layout"] == "nchw":
+            eager, eager_kind = native, "native_group_norm_backward"
+        else:  # the native op rejects channels-last input: time what autograd runs for it
+            xr, wr, br = (t.detach().requires_grad_() for t in (x, gamma, beta))
+            yr = F.group_norm(xr, G, wr, br, 1e-5)
+            yr = F.silu(yr) if swish else yr
+
+            def eager(yr=yr, xr=xr, wr=wr, br=br, dy=dy):
+                return torch.autograd.grad(yr, (xr, wr, br), dy, retain_graph=True)
+
+            eager_kind = "autograd"
 
         def ours():
             return ckgen.groupnorm_bwd(dy, x, mean32, rstd32, gamma, G, beta, activation=act if swish else None)
@@ -86,7 +101,7 @@ def main() -> int:
         t_comp = None
         if not args.no_compile:
             try:
-                comp = torch.compile(eager, dynamic=False)
+                comp = torch.compile(native, dynamic=False)
                 comp()
                 t_comp = timer.time(comp)
             except Exception as e:  # noqa: BLE001 - record, don't abort the suite
@@ -99,7 +114,7 @@ def main() -> int:
             "compile_us": t_comp.median_us if t_comp else None,
             "speedup_eager": t_eager.median_us / t_ours.median_us,
             "speedup_compile": (t_comp.median_us / t_ours.median_us) if t_comp else None,
-            "instance": choice.instance, "source": choice.source,
+            "instance": choice.instance, "source": choice.source, "eager": eager_kind,
             "max_abs_diff_vs_torch": {"dx": errs[0], "dgamma": errs[1], "dbeta": errs[2]},
             "tuned_in_this_run": bool(tuned_here),
             "default_config_us": tuned_here.default.timing.median_us if tuned_here and tuned_here.default else None,
@@ -115,9 +130,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# groupnorm_bwd on {info.name} ({info.target.arch})", "",
              "Measured in one run by bench/groupnorm_bwd.py: CUDA events, L2 flushed before every run, median of 40. "
-             "ckgen: `ckgen.groupnorm_bwd` (dx, dgamma, dbeta; deterministic). eager: aten.native_group_norm_backward "
-             "(after aten.silu_backward for swish), what autograd runs, NCHW and channels-last alike. "
-             "compile: torch.compile of that function. Copy = device-to-device copy of the minimum bytes "
+             "ckgen: `ckgen.groupnorm_bwd` (dx, dgamma, dbeta; deterministic). eager: NCHW aten.native_group_norm_backward "
+             "(after aten.silu_backward for swish), what autograd runs; channels-last: torch.autograd.grad of "
+             "F.group_norm (+F.silu), since the native op rejects channels-last input. "
+             "compile: torch.compile of the native-op function. Copy = device-to-device copy of the minimum bytes "
              "(x + dy read, dx written), same run. eff = copy time / op time.", "",
              "| problem | min MB | copy us | ckgen us | GB/s | eff | eager us | eager eff | compile us | vs eager | vs compile | instance |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

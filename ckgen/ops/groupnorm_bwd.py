@@ -15,7 +15,7 @@ from .spec import DTYPES, Config, Launch, OpSpec, Support, Target, Tolerance
 
 _INT32_MAX = 2**31 - 1
 MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)
-NCHW_STEP_VECTORS = 2048  # NCHW: per-vector partials of one step in shared memory
+NCHW_STEP_VECTORS = 2048  # NCHW single_pass: per-vector partials in shared memory
 DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (see the template)
 
 
@@ -95,7 +95,7 @@ class _GroupNormBwd(OpSpec):
                 return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
             if p.HW % vec:
                 return Support.no(f"vector of {vec} does not divide H*W={p.HW}")
-            if threads * items > NCHW_STEP_VECTORS:
+            if scheme == "single_pass" and threads * items > NCHW_STEP_VECTORS:
                 return Support.no(f"threads*items={threads * items} exceeds {NCHW_STEP_VECTORS} per-vector "
                                   f"partials in shared memory (NCHW)")
             share = -(-(p.Cg * p.HW // vec) // split)

@@ -124,54 +124,66 @@ ckgen_groupnorm_bwd_gamma_beta_bf16_nchw_t512_v16_i2_g1_ms_s1_m1_stats(CK_ARGS)
   for (int c = tid; c < CH; c += BLOCK) { chan1[c] = 0.f; chan2[c] = 0.f; }
   __syncthreads();
 
-  __shared__ float pv1[BLOCK * ITEMS], pv2[BLOCK * ITEMS];  // per-vector partials of one step
-  for (int k0 = 0; v0 + k0 * BLOCK < vend; k0 += ITEMS) {  // block-uniform trip count
-    float xv[ITEMS][VEC], dv[ITEMS][VEC];
-    long long o[ITEMS];
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-      o[j] = walk.at(k0 + j);
-      if (o[j] >= 0) { ck_load(x + o[j], xv[j]); ck_load(dy + o[j], dv[j]); }
-    }
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-      if (o[j] >= 0) {
-                const int chr = (int)((walk.first + (k0 + j) * walk.step) / hv);
+  // Streaming: a 2-D tile of RR rows x CC threads. Row r sums channels cl0 + r, cl0 + r + RR, ...
+  // of the block's share, its CC threads sweeping the channel's run of vectors (coalesced);
+  // the row's threads then reduce in a fixed order and one of them writes the channel's sums.
+  {
+    int CC = BLOCK;
+    if (hv < BLOCK) { CC = 1; while (CC < hv) CC <<= 1; }
+    const int RR = BLOCK / CC, rr = tid / CC, cc = tid % CC;
+    const int cl0 = v0 / hv, cl1 = vend > v0 ? (vend - 1) / hv : cl0 - 1;
+    const int rounds = (cl1 - cl0 + RR) / RR;  // block-uniform
+    __shared__ float wred1[NWARPS], wred2[NWARPS];
+    for (int t = 0; t < rounds; ++t) {
+      const int c = cl0 + t * RR + rr;
+      float s1 = 0.f, s2 = 0.f;
+      if (c <= cl1) {
+        const int a = max(c * hv, v0), b = min((c + 1) * hv, vend);
+                const int chr = (int)((c * hv) / hv);
         const float gm1 = gamma ? ck_to_f(gamma[cbase + chr]) : 1.f;
         const float bt1 = (SWISH && beta) ? ck_to_f(beta[cbase + chr]) : 0.f;
         float gmv[VEC], btv[VEC], muv[VEC], rsv[VEC];
 #pragma unroll
         for (int i = 0; i < VEC; ++i) { gmv[i] = gm1; btv[i] = bt1; muv[i] = mu0; rsv[i] = rs0; }
 
-        float s1 = 0.f, s2 = 0.f;
-        #pragma unroll
+        for (int i0 = a + cc; i0 < b; i0 += CC * ITEMS) {
+          float xv[ITEMS][VEC], dv[ITEMS][VEC];
+#pragma unroll
+          for (int j = 0; j < ITEMS; ++j) {
+            const int i = i0 + j * CC;
+            if (i < b) { ck_load(x + walk.base + (long long)i * VEC, xv[j]); ck_load(dy + walk.base + (long long)i * VEC, dv[j]); }
+          }
+#pragma unroll
+          for (int j = 0; j < ITEMS; ++j) {
+            if (i0 + j * CC < b) {
+              #pragma unroll
         for (int i = 0; i < VEC; ++i) {
           float xh, dp;
           ck_prep(xv[j][i], dv[j][i], muv[i], rsv[i], gmv[i], btv[i], xh, dp);
           s1 += dp; s2 = fmaf(dp, xh, s2);
         }
 
-        pv1[j * BLOCK + tid] = s1; pv2[j * BLOCK + tid] = s2;
+            }
+          }
+        }
+      }
+      // reduce over the row's CC threads: lanes of one warp (CC <= warp), or warps via smem
+      const int m0 = CC < CK_WARP ? CC : CK_WARP;
+      for (int m = m0 / 2; m > 0; m >>= 1) { s1 += ck_shfl_xor(s1, m); s2 += ck_shfl_xor(s2, m); }
+      if (CC <= CK_WARP) {
+        if (cc == 0 && c <= cl1) { chan1[c] = s1; chan2[c] = s2; }
+      } else {
+        const int warp = tid / CK_WARP, wpr = CC / CK_WARP;
+        if (tid % CK_WARP == 0) { wred1[warp] = s1; wred2[warp] = s2; }
+        __syncthreads();
+        if (cc == 0 && c <= cl1) {
+          float t1 = 0.f, t2 = 0.f;
+          for (int w = 0; w < wpr; ++w) { t1 += wred1[rr * wpr + w]; t2 += wred2[rr * wpr + w]; }
+          chan1[c] = t1; chan2[c] = t2;
+        }
+        __syncthreads();
       }
     }
-    __syncthreads();
-      {
-    const int lo = v0 + k0 * BLOCK;
-    const int hi = min(vend, lo + (BLOCK * ITEMS));
-    if (lo < hi) {
-      const int warp = tid / CK_WARP, lane = tid % CK_WARP;
-      for (int c = lo / hv + warp; c <= (hi - 1) / hv; c += NWARPS) {
-        const int a = max(c * hv, lo) - lo, b = min((c + 1) * hv, hi) - lo;
-        float t1 = 0.f, t2 = 0.f;
-        for (int p = a + lane; p < b; p += CK_WARP) { t1 += pv1[p]; t2 += pv2[p]; }
-#pragma unroll
-        for (int m = CK_WARP / 2; m > 0; m >>= 1) { t1 += ck_shfl_xor(t1, m); t2 += ck_shfl_xor(t2, m); }
-        if (lane == 0) { chan1[c] += t1; chan2[c] += t2; }
-      }
-    }
-  }
-
-    __syncthreads();
   }
   __syncthreads();
   // This block's partial (ds, db) per channel of the tile -> ws, row (n, rank); channels the

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from .groupnorm import GroupNormFwd
+from .pool import AvgPool2dBwd, AvgPool2dFwd, MaxPool2dBwd, MaxPool2dFwd
 from .spec import OpSpec
 
-_REGISTRY: dict[str, OpSpec] = {spec.name: spec for spec in (GroupNormFwd(),)}
+_REGISTRY: dict[str, OpSpec] = {spec.name: spec for spec in (GroupNormFwd(), MaxPool2dFwd(), MaxPool2dBwd(),
+                                                          AvgPool2dFwd(), AvgPool2dBwd())}
 
 
 def get_op(name: str) -> OpSpec:

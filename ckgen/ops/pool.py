@@ -280,8 +280,10 @@ def maxpool2d_bwd_reference(p: PoolProblem, dy: np.ndarray, indices: np.ndarray)
     """dx: every dy goes to its window's argmax; overlapping windows accumulate."""
     dy = np.asarray(dy, dtype=np.float64)
     plane = (np.arange(p.N * p.C, dtype=np.int64) * (p.H * p.W)).reshape(p.N, p.C, 1, 1)
-    flat = (np.asarray(indices, dtype=np.int64) + plane).ravel()
-    dx = np.bincount(flat, weights=dy.ravel(), minlength=p.numel)
+    idx = np.asarray(indices, dtype=np.int64)
+    keep = ((idx >= 0) & (idx < p.H * p.W)).ravel()  # -1: a window with no input element (dilation)
+    flat = (idx + plane).ravel()[keep]
+    dx = np.bincount(flat, weights=dy.ravel()[keep], minlength=p.numel)
     return dx.reshape(p.N, p.C, p.H, p.W)
 
 

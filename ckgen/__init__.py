@@ -3,6 +3,7 @@
     import ckgen
     y, mean, rstd = ckgen.groupnorm_fwd(x, gamma, beta, groups=32, activation="swish")
     dx, dgamma, dbeta = ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, 32, beta, activation="swish")
+    y, indices = ckgen.maxpool2d_fwd(x, 3, stride=2, padding=1, return_indices=True)
     print(ckgen.explain("groupnorm_fwd", x, gamma, beta, 32))
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .dispatch import explain, groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
+from .pool_api import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
 from .tensors import bfloat16
 
 
@@ -20,5 +22,6 @@ def reload_db() -> None:
     dispatcher().reload()
 
 
-__all__ = ["__version__", "bfloat16", "explain", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta",
-           "groupnorm_fwd", "reload_db"]
+__all__ = ["__version__", "avgpool2d_bwd", "avgpool2d_fwd", "bfloat16", "explain", "groupnorm_bwd",
+           "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta", "groupnorm_fwd", "maxpool2d_bwd", "maxpool2d_fwd",
+           "reload_db"]

@@ -255,6 +255,18 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"])
     t.add_argument("--layout", action="append", choices=["nchw", "nhwc"])
     t.add_argument("--activation", choices=["none", "swish"])
+    pool = t.add_argument_group("pooling problem", "with --shape, for maxpool2d_* / avgpool2d_*")
+    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW")
+    pool.add_argument("--stride", type=_csv_ints, help="stride: S or SH,SW (default: the kernel)")
+    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default 0)")
+    pool.add_argument("--dilation", type=_csv_ints, help="dilation (max pooling): D or DH,DW (default 1)")
+    pool.add_argument("--ceil-mode", action="store_true", help="ceil instead of floor for the output size")
+    pool.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=None,
+                      help="avg pooling: count the padding in the divisor (default: yes)")
+    pool.add_argument("--divisor-override", type=int, help="avg pooling: divide by this instead")
+    pool.add_argument("--return-indices", action="store_true", help="maxpool2d_fwd: also write int64 indices")
+    pool.add_argument("--indices", choices=["stored", "recompute"],
+                      help="maxpool2d_bwd: read stored int64 indices (default) or recompute the argmax from x")
     t.add_argument("--trials", type=int, default=40, help="measured candidates per problem (default 40)")
     t.add_argument("--timeout", type=float, help="seconds per problem")
     t.add_argument("--total-timeout", type=float, help="seconds for the whole run")

@@ -109,7 +109,8 @@ def write(instances: list[Instance], root: Path) -> list[Path]:
 
 # ---- building ----------------------------------------------------------------------------
 _PTXAS = re.compile(r"Function properties for (\S+)\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
-                    r"(\d+) bytes spill loads\n.*?Used (\d+) registers.*?(\d+) bytes smem", re.S)
+                    r"(\d+) bytes spill loads\n.*?Used (\d+) registers([^\n]*)", re.S)
+_SMEM = re.compile(r"(\d+) bytes smem")  # absent when a kernel uses no shared memory
 
 
 def _build_cuda(inst: Instance) -> Built:
@@ -130,7 +131,8 @@ def _build_cuda(inst: Instance) -> Built:
     finally:
         nvrtc.destroyProgram(prog)
     report = {m[0]: {"registers": int(m[4]), "spill_stores": int(m[2]), "spill_loads": int(m[3]),
-                     "stack_bytes": int(m[1]), "smem_bytes": int(m[5])} for m in _PTXAS.findall(log)}
+                     "stack_bytes": int(m[1]),
+                     "smem_bytes": int(_SMEM.search(m[5]).group(1)) if _SMEM.search(m[5]) else 0} for m in _PTXAS.findall(log)}
     return Built(inst, True, "", report)
 
 

@@ -1,0 +1,113 @@
+"""A CPU emulator for the pooling kernels: the HIP render of an instance (no inline PTX, fp16 via
+_Float16) is compiled as plain C++ with a small shim for the GPU built-ins, and every launch runs
+its blocks and threads one after another. The pooling kernels have no shared memory, no barriers
+and no warp shuffles, and their atomics commute, so running the threads serially gives exactly the
+GPU's result (up to the order of atomic adds). This checks the kernels' index math and semantics
+against the float64 reference on machines with no GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ckgen.codegen import render
+from ckgen.ops.spec import Config, OpSpec, Target
+
+SHIM = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <algorithm>
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+struct ck_dim3 { unsigned x, y, z; };
+static ck_dim3 threadIdx, blockIdx, blockDim, gridDim;
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __shfl_xor(float v, int, int) { return v; }
+static inline float __frsqrt_rn(float v) { return 1.0f / std::sqrt(v); }
+static inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; return o; }
+using std::min; using std::max;
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+"""
+WRAPPER = r"""
+extern "C" void emu_{k}(unsigned grid, unsigned block, const void* x, void* y, long long* idx, const void* dy,
+                        void* dx, float* ws, int N, int C, int H, int W, int OH, int OW) {{
+  gridDim = ck_dim3{{grid, 1, 1}}; blockDim = ck_dim3{{block, 1, 1}};
+  for (unsigned b = 0; b < grid; ++b)
+    for (unsigned t = 0; t < block; ++t) {{
+      blockIdx = ck_dim3{{b, 0, 0}}; threadIdx = ck_dim3{{t, 0, 0}};
+      {k}((const ck_store_t*)x, (ck_store_t*)y, idx, (const ck_store_t*)dy, (ck_store_t*)dx, ws, N, C, H, W, OH, OW);
+    }}
+}}
+"""
+EMU_TARGET = Target.named("gfx1100")  # HIP dialect, wave32
+
+
+def compiler() -> str | None:
+    for c in (os.environ.get("CKGEN_HIP_CLANG", "clang++-19"), "clang++", "g++"):
+        if c and shutil.which(c):
+            return c
+    return None
+
+
+_cache: dict[str, ctypes.CDLL] = {}
+
+
+def build(op: OpSpec, problem, config: Config) -> tuple[ctypes.CDLL, list]:
+    ok = op.validate(problem, config, EMU_TARGET)
+    assert ok, ok.reason
+    launches = op.launches(problem, config, EMU_TARGET)
+    src = render(op.template, op.instance_name(problem, config), op.render_context(problem, config, EMU_TARGET))
+    code = src.code.replace("#include <hip/hip_runtime.h>", SHIM)
+    code += "".join(WRAPPER.format(k=l.kernel) for l in launches)
+    assert not re.search(r"\basm\b", code)
+    digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+    lib = _cache.get(digest)
+    if lib is None:
+        d = Path(tempfile.gettempdir()) / "ckgen-pool-emu"
+        d.mkdir(exist_ok=True)
+        so = d / f"{digest}.so"
+        if not so.is_file():
+            cpp = d / f"{digest}.cpp"
+            cpp.write_text(code)
+            tmp = d / f"{digest}.{os.getpid()}.so"
+            r = subprocess.run([compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(tmp), str(cpp)],
+                               capture_output=True, text=True)
+            assert r.returncode == 0, f"{src.name}: emulator build failed\n{r.stderr[-3000:]}"
+            os.replace(tmp, so)
+        lib = _cache[digest] = ctypes.CDLL(str(so))
+    return lib, list(launches)
+
+
+def run(op: OpSpec, problem, config: Config, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run every launch of `config` on the CPU; returns the unpacked outputs (poisoned first)."""
+    lib, launches = build(op, problem, config)
+    dev_in = op.pack_inputs(problem, inputs)
+    dev_out = {k: np.empty(n, dt) for k, (n, dt) in op.output_buffers(problem).items()}
+    for a in dev_out.values():
+        a.view(np.uint8).fill(0xFF)  # NaN bits in every dtype, -1 in int64
+    ws = np.full(max(op.workspace_bytes(problem, config), 4) // 4, np.nan, dtype=np.float32)
+    bufs = {**dev_in, **dev_out}
+
+    def ptr(name: str):
+        a = bufs.get(name)
+        return a.ctypes.data_as(ctypes.c_void_p) if a is not None else None
+
+    for l in launches:
+        fn = getattr(lib, f"emu_{l.kernel}")
+        fn(ctypes.c_uint(l.grid[0]), ctypes.c_uint(l.block[0]), ptr("x"), ptr("y"), ptr("indices"), ptr("dy"),
+           ptr("dx"), ws.ctypes.data_as(ctypes.c_void_p), *(ctypes.c_int(v) for v in (
+               problem.N, problem.C, problem.H, problem.W, problem.OH, problem.OW)))
+    return op.unpack_outputs(problem, dev_out)

@@ -1,0 +1,112 @@
+"""The pooling kernels themselves, run on the CPU (tests/pool_emu.py: the HIP render compiled as
+C++ with a shim, threads run serially) against the float64 reference with poisoned outputs:
+every op, both layouts, the three dtypes, gather and scatter, and the edge cases (ceil_mode,
+dilation, padding, count_include_pad, divisor_override, NaN, ties, -inf windows)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ckgen.ops import get_op
+from ckgen.ops.numeric import max_violation
+from ckgen.ops.pool import maxpool2d_reference
+
+pool_emu = pytest.importorskip("pool_emu")
+pytestmark = pytest.mark.skipif(pool_emu.compiler() is None, reason="no C++ compiler (clang++-19, clang++ or g++)")
+
+
+def check(op, p, config, inputs):
+    ref = op.reference(p, inputs)
+    got = pool_emu.run(op, p, config, inputs)
+    for k, r in ref.items():
+        tol = op.tolerance(p.dtype, k)
+        v = max_violation(got[k], r, tol.atol, tol.rtol)
+        assert v <= 1.0, f"{op.instance_name(p, config)} {p.key()} {k}: error {v:.3g}x tolerance"
+
+
+def specials(p, inputs, rng):
+    """NaN, -inf and a whole -inf plane in x (max pooling); indices recomputed to match."""
+    x = inputs["x"]
+    m = rng.random(x.shape)
+    x[m < 0.04] = np.nan
+    x[m > 0.85] = -np.inf
+    x[0, -1] = -np.inf
+    if "indices" in inputs:
+        inputs["indices"] = maxpool2d_reference(p, x)[1]
+    return inputs
+
+
+CASES = [  # (op, extra, geometry)
+    ("maxpool2d_fwd", dict(return_indices=True), dict(kernel=3, stride=2, padding=1)),
+    ("maxpool2d_fwd", dict(return_indices=False), dict(kernel=3, stride=2, padding=1, ceil_mode=True)),
+    ("maxpool2d_fwd", dict(return_indices=True), dict(kernel=(3, 2), stride=(1, 2), padding=(1, 1), dilation=(2, 3))),
+    ("maxpool2d_fwd", dict(return_indices=True), dict(kernel=2, stride=2, padding=0, ceil_mode=True)),
+    ("maxpool2d_bwd", dict(indices="stored"), dict(kernel=3, stride=2, padding=1)),
+    ("maxpool2d_bwd", dict(indices="stored"), dict(kernel=3, stride=1, padding=1, ceil_mode=True, dilation=2)),
+    ("maxpool2d_bwd", dict(indices="recompute"), dict(kernel=3, stride=2, padding=1, ceil_mode=True)),
+    ("maxpool2d_bwd", dict(indices="stored"), dict(kernel=2, stride=2, padding=1)),
+    ("avgpool2d_fwd", dict(count_include_pad=True), dict(kernel=3, stride=2, padding=1, ceil_mode=True)),
+    ("avgpool2d_fwd", dict(count_include_pad=False), dict(kernel=3, stride=2, padding=1, ceil_mode=True)),
+    ("avgpool2d_fwd", dict(divisor_override=5), dict(kernel=(2, 3), stride=(2, 1), padding=(1, 1))),
+    ("avgpool2d_bwd", dict(count_include_pad=True), dict(kernel=3, stride=2, padding=1, ceil_mode=True)),
+    ("avgpool2d_bwd", dict(count_include_pad=False), dict(kernel=3, stride=1, padding=1)),
+    ("avgpool2d_bwd", dict(divisor_override=3), dict(kernel=2, stride=2, padding=1, ceil_mode=True)),
+]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in {**c[1], **c[2]}.items())}")
+def test_kernels_match_reference(case, layout):
+    name, extra, geo = case
+    op = get_op(name)
+    rng = np.random.default_rng()
+    r = random.Random(f"{case}{layout}")
+    dtype = r.choice(["fp32", "fp16", "bf16"])
+    p = op.parse_problem(N=2, C=16, H=r.randint(5, 12), W=r.randint(5, 12), dtype=dtype, layout=layout, **geo, **extra)
+    inputs = op.make_inputs(p, rng)
+    if op.pool == "max":
+        inputs = specials(p, inputs, rng)
+    t = pool_emu.EMU_TARGET
+    cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
+    default = op.space.nearest_default(lambda c: bool(op.validate(p, c, t)))
+    picked = [default] + r.sample(cfgs, 2)
+    if op.backward:
+        picked.append(r.choice([c for c in cfgs if c["algo"] == "scatter"]))
+    for c in picked:
+        check(op, p, c, inputs)
+
+
+def test_scatter_variants_all_dtypes():
+    """Scatter: plain stores (no overlap), fp32 atomics on dx, fp32 workspace + convert (16-bit)."""
+    rng = np.random.default_rng()
+    for name in ("maxpool2d_bwd", "avgpool2d_bwd"):
+        op = get_op(name)
+        for dtype, geo in [("bf16", dict(kernel=2, stride=2)), ("fp32", dict(kernel=3, stride=2, padding=1)),
+                           ("fp16", dict(kernel=3, stride=2, padding=1))]:
+            p = op.parse_problem(N=1, C=8, H=9, W=7, dtype=dtype, layout="nhwc", **geo)
+            c = next(c for c in op.space.enumerate() if c["algo"] == "scatter" and op.validate(p, c, pool_emu.EMU_TARGET))
+            check(op, p, c, op.make_inputs(p, rng))
+
+
+def test_odd_channels_and_single_pixel():
+    rng = np.random.default_rng()
+    for name in ("maxpool2d_fwd", "avgpool2d_bwd"):
+        op = get_op(name)
+        for layout in ("nchw", "nhwc"):
+            p = op.parse_problem(N=3, C=3, H=1, W=1, dtype="fp16", layout=layout, kernel=1, stride=1)
+            for c in [c for c in op.space.enumerate() if op.validate(p, c, pool_emu.EMU_TARGET)][:2]:
+                check(op, p, c, op.make_inputs(p, rng))
+
+
+def test_emulator_catches_a_wrong_kernel():
+    """The check can fail: a config run on a problem with other pooling params is wrong."""
+    op = get_op("maxpool2d_fwd")
+    p = op.parse_problem(N=1, C=4, H=8, W=8, dtype="fp32", layout="nchw", kernel=3, stride=2, padding=1)
+    q = op.parse_problem(N=1, C=4, H=8, W=8, dtype="fp32", layout="nchw", kernel=3, stride=2, padding=0)
+    c = op.space.nearest_default(lambda c: bool(op.validate(p, c, pool_emu.EMU_TARGET)))
+    inputs = op.make_inputs(p, np.random.default_rng(0))
+    got = pool_emu.run(op, p, c, inputs)["y"]
+    want = op.reference(q, inputs)["y"]
+    assert got.shape != want.shape or max_violation(got, want, 0, 0) > 1

@@ -116,12 +116,14 @@ def dispatcher() -> Dispatcher:
 # ---------------------------------------------------------------------------------------------
 # Public ops
 # ---------------------------------------------------------------------------------------------
-def _groupnorm_problem(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any, activation: Any):
+def _groupnorm_problem(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any, activation: Any,
+                       op_name: str = "groupnorm_fwd"):
+    """Checks shared by every GroupNorm op (eps=None: the op takes none) -> op, problem, x, gamma, beta."""
     from .tensors import as_device_tensor, check_vector, layout_of
 
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise ValueError(f"groups: expected a positive int, got {groups!r}")
-    if not isinstance(eps, (int, float)) or not (eps >= 0) or eps == float("inf"):
+    if eps is not None and (not isinstance(eps, (int, float)) or not (eps >= 0) or eps == float("inf")):
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     if activation not in (None, "none", "swish"):
         raise ValueError(f"activation: expected None or 'swish', got {activation!r}")
@@ -134,7 +136,7 @@ def _groupnorm_problem(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any, act
     bt = as_device_tensor(beta, "beta") if beta is not None else None
     check_vector(gt, "gamma", C, xt.dtype, xt.device)
     check_vector(bt, "beta", C, xt.dtype, xt.device)
-    op = get_op("groupnorm_fwd")
+    op = get_op(op_name)
     problem = op.parse_problem(N=N, C=C, H=H, W=W, G=groups, dtype=xt.dtype, layout=layout,
                                activation=activation or "none")
     return op, problem, xt, gt, bt
@@ -194,51 +196,26 @@ def groupnorm_fwd(x: Any, gamma: Any, beta: Any, groups: int, eps: float = 1e-5,
 
 def _groupnorm_bwd_problem(op_name: str, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, beta: Any,
                            groups: Any, activation: Any):
-    from .tensors import as_device_tensor, check_vector, layout_of
+    from .tensors import as_device_tensor, check_like
 
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"groups: expected a positive int, got {groups!r}")
-    if activation not in (None, "none", "swish"):
-        raise ValueError(f"activation: expected None or 'swish', got {activation!r}")
-    xt = as_device_tensor(x, "x")
-    layout = layout_of(xt, "x")
+    op, problem, xt, gt, bt = _groupnorm_problem(x, gamma, beta, groups, None, activation, op_name)
     dyt = as_device_tensor(dy, "dy")
-    if dyt.shape != xt.shape:
-        raise ValueError(f"dy: shape {dyt.shape} differs from x's {xt.shape}")
-    if dyt.dtype != xt.dtype:
-        raise TypeError(f"dy: dtype {dyt.dtype} differs from x's {xt.dtype}; cast it to x's dtype")
-    if dyt.device != xt.device:
-        raise ValueError(f"dy: on device {dyt.device} but x is on device {xt.device}")
-    if layout_of(dyt, "dy") != layout:
-        raise ValueError(f"dy: memory layout {layout_of(dyt, 'dy')} differs from x's {layout}; "
-                         f"make both NCHW-contiguous or both channels-last")
-    N, C, H, W = xt.shape
-    if C % groups:
-        raise ValueError(f"groups: C={C} is not divisible by groups={groups}")
+    check_like(dyt, "dy", xt.shape, xt, problem.layout)
+    N, G = problem.N, problem.G
     stats = []
     for arg, t in (("mean", mean), ("rstd", rstd)):
         st = as_device_tensor(t, arg)
         if st.dtype != "fp32":
             raise TypeError(f"{arg}: expected float32 (as groupnorm_fwd returns it), got {st.dtype}")
-        if st.shape not in ((N, groups), (N * groups,)):
-            raise ValueError(f"{arg}: expected shape ({N}, {groups}), got {st.shape}")
-        if st.strides not in ((groups, 1), (1,)) and N * groups > 1:
+        if st.shape not in ((N, G), (N * G,)):
+            raise ValueError(f"{arg}: expected shape ({N}, {G}), got {st.shape}")
+        if st.strides not in ((G, 1), (1,)) and N * G > 1:
             raise ValueError(f"{arg}: must be contiguous, got strides {st.strides}")
         if st.device != xt.device:
             raise ValueError(f"{arg}: on device {st.device} but x is on device {xt.device}")
         stats.append(st)
-    gt = as_device_tensor(gamma, "gamma") if gamma is not None else None
-    bt = as_device_tensor(beta, "beta") if beta is not None else None
-    check_vector(gt, "gamma", C, xt.dtype, xt.device)
-    check_vector(bt, "beta", C, xt.dtype, xt.device)
-    op = get_op(op_name)
-    problem = op.parse_problem(N=N, C=C, H=H, W=W, G=groups, dtype=xt.dtype, layout=layout,
-                               activation=activation or "none")
     ptrs = {"x": xt.ptr, "dy": dyt.ptr, "mean": stats[0].ptr, "rstd": stats[1].ptr}
-    if gt is not None:
-        ptrs["gamma"] = gt.ptr
-    if bt is not None:
-        ptrs["beta"] = bt.ptr
+    ptrs.update({k: t.ptr for k, t in (("gamma", gt), ("beta", bt)) if t is not None})
     return op, problem, xt, ptrs
 
 

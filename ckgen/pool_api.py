@@ -11,6 +11,7 @@ from typing import Any
 
 from .dispatch import launch
 from .ops import get_op
+from .tensors import check_like
 
 
 def _flag(v: Any, arg: str) -> bool:
@@ -23,25 +24,8 @@ def _stride(stride: Any) -> Any:
     return None if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else stride
 
 
-def _in_layout(shape: tuple[int, ...], strides: tuple[int, ...], layout: str) -> bool:
-    N, C, H, W = shape
-    want = (C * H * W, 1, W * C, C) if layout == "nhwc" else (C * H * W, H * W, W, 1)
-    return all(size == 1 or s == w for size, s, w in zip(shape, strides, want))
-
-
 def _check_like(t: Any, arg: str, shape: tuple[int, ...], xt: Any, layout: str) -> None:
-    """`t` (a DeviceTensor) must have `shape`, x's dtype and device, and x's memory layout."""
-    if len(t.shape) != 4:
-        raise ValueError(f"{arg}: expected a 4-D (N, C, H, W) tensor, got shape {t.shape}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{arg}: expected shape {tuple(shape)} (the pooling output for x {xt.shape}), got {t.shape}")
-    if t.dtype != xt.dtype:
-        raise TypeError(f"{arg}: dtype {t.dtype} differs from x's {xt.dtype}; cast it to x's dtype")
-    if t.device != xt.device:
-        raise ValueError(f"{arg}: on device {t.device} but x is on device {xt.device}")
-    if not _in_layout(tuple(t.shape), tuple(t.strides), layout):
-        fix = ".contiguous(memory_format=torch.channels_last)" if layout == "nhwc" else ".contiguous()"
-        raise ValueError(f"{arg}: strides {t.strides} are not x's {layout.upper()} layout; call {fix}")
+    check_like(t, arg, shape, xt, layout, what=f"the pooling output for x {xt.shape}")
 
 
 def _index_tensor(obj: Any, shape: tuple[int, ...], xt: Any, layout: str) -> tuple[Any, int]:

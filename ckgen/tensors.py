@@ -74,23 +74,41 @@ def as_device_tensor(obj: Any, arg: str) -> DeviceTensor:
                         dt, a.device.id)
 
 
+def in_layout(shape: tuple[int, ...], strides: tuple[int, ...], layout: str) -> bool:
+    """Are (N, C, H, W) `strides` those of `layout` ('nchw' or 'nhwc'; size-1 dims are free)?"""
+    N, C, H, W = shape
+    want = (H * W * C, 1, W * C, C) if layout == "nhwc" else (C * H * W, H * W, W, 1)
+    return all(size == 1 or s == w for size, s, w in zip(shape, strides, want))
+
+
 def layout_of(t: DeviceTensor, arg: str) -> str:
     """'nchw' or 'nhwc' from the strides of a logical (N, C, H, W) tensor."""
     if len(t.shape) != 4:
         raise ValueError(f"{arg}: expected a 4-D (N, C, H, W) tensor, got shape {t.shape}")
-    N, C, H, W = t.shape
     if 0 in t.shape:
         raise ValueError(f"{arg}: empty tensor of shape {t.shape}")
-
-    def matches(want: tuple[int, ...]) -> bool:
-        return all(size == 1 or s == w for size, s, w in zip(t.shape, t.strides, want))
-
-    if matches((C * H * W, H * W, W, 1)):
-        return "nchw"
-    if matches((H * W * C, 1, W * C, C)):
-        return "nhwc"
+    for layout in ("nchw", "nhwc"):
+        if in_layout(t.shape, t.strides, layout):
+            return layout
     raise ValueError(f"{arg}: strides {t.strides} are neither NCHW-contiguous nor channels-last; "
                      f"call .contiguous() or .contiguous(memory_format=torch.channels_last)")
+
+
+def check_like(t: DeviceTensor, arg: str, shape: tuple[int, ...], ref: DeviceTensor, layout: str,
+               what: str = "x's shape") -> None:
+    """`t` must have `shape` (`what` says where it comes from), `ref`'s dtype and device, and
+    the memory `layout` (ref's)."""
+    if len(t.shape) != 4:
+        raise ValueError(f"{arg}: expected a 4-D (N, C, H, W) tensor, got shape {t.shape}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{arg}: expected shape {tuple(shape)} ({what}), got {t.shape}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{arg}: dtype {t.dtype} differs from x's {ref.dtype}; cast it to x's dtype")
+    if t.device != ref.device:
+        raise ValueError(f"{arg}: on device {t.device} but x is on device {ref.device}")
+    if not in_layout(tuple(t.shape), tuple(t.strides), layout):
+        fix = ".contiguous(memory_format=torch.channels_last)" if layout == "nhwc" else ".contiguous()"
+        raise ValueError(f"{arg}: strides {t.strides} are not x's {layout.upper()} layout; call {fix}")
 
 
 def check_vector(t: DeviceTensor | None, arg: str, length: int, dtype: str, device: int) -> None:

@@ -62,14 +62,15 @@ def test_render_every_target(name, dtype, layout, act):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", OPS)
 def test_compile_offline(name, arch):
-    """Default + one config per scheme (+ random) of every dtype x layout x activation build."""
+    """The default of every dtype x layout x activation builds; for bf16 + swish one config per scheme too."""
     op = get_op(name)
     t = Target.named(arch)
     srcs = {}
     for dtype, layout, act in COMBOS:
         p = op.parse_problem(**SHAPE, dtype=dtype, layout=layout, activation=act)
+        # bf16 + swish: the default and one config per scheme; elsewhere the default alone
         n = 4 if (dtype, act) == ("bf16", "swish") else 1
-        for c in _configs(op, p, arch, n, f"{name}{dtype}{layout}{act}{arch}")[:max(n, 4 if n > 1 else 1)]:
+        for c in _configs(op, p, arch, n, f"{name}{dtype}{layout}{act}{arch}")[:n]:
             src = render_instance(op, p, c, t)
             srcs[src.sha256] = src
     with cf.ThreadPoolExecutor(2) as ex:

@@ -72,9 +72,9 @@ def _regs_per_thread(config: Config) -> int:
     return min(255, 65536 // (config["threads"] * config["min_blocks"]))
 
 
-class GroupNormFwd(OpSpec):
-    name: ClassVar[str] = "groupnorm_fwd"
-    template: ClassVar[str] = "groupnorm_fwd.cu.j2"
+class GroupNormOp(OpSpec):
+    """The problem side every GroupNorm op (forward and backward) shares: problem type, CLI and
+    default problems, tuning space by op name, random x/gamma/beta, distance between problems."""
 
     @property
     def space(self):
@@ -102,6 +102,30 @@ class GroupNormFwd(OpSpec):
         return [self.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l,
                                    activation=args.activation or "none")
                 for d in (args.dtype or ["bf16"]) for l in (args.layout or ["nchw"])]
+
+    def make_inputs(self, p: GroupNormProblem, rng: np.random.Generator,
+                    offset: float = 0.0) -> dict[str, np.ndarray]:
+        shape = (p.N, p.C, p.H, p.W)
+        # Per-channel offsets and scales so groups differ; never zeros.
+        chan_mu = rng.normal(0.0, 0.5, size=(1, p.C, 1, 1))
+        chan_sd = rng.uniform(0.5, 2.0, size=(1, p.C, 1, 1))
+        x = offset + chan_mu + chan_sd * rng.standard_normal(shape)
+        return {
+            "x": round_to(x, p.dtype),
+            "gamma": round_to(1.0 + 0.25 * rng.standard_normal(p.C), p.dtype),
+            "beta": round_to(0.25 * rng.standard_normal(p.C), p.dtype),
+        }
+
+    def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:
+        d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.Cg * a.HW / (b.Cg * b.HW)))
+        d += abs(math.log(a.N * a.G / (b.N * b.G))) + abs(math.log(a.Cg / b.Cg))
+        d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype) + 0.5 * (a.activation != b.activation)
+        return d
+
+
+class GroupNormFwd(GroupNormOp):
+    name: ClassVar[str] = "groupnorm_fwd"
+    template: ClassVar[str] = "groupnorm_fwd.cu.j2"
 
     def vec_elems(self, problem: GroupNormProblem, config: Config) -> int:
         return config["vec_bytes"] // DTYPES[problem.dtype]["itemsize"]
@@ -221,19 +245,6 @@ class GroupNormFwd(OpSpec):
     def min_bytes(self, p: GroupNormProblem) -> int:
         return 2 * p.numel * DTYPES[p.dtype]["itemsize"]  # read x once, write y once
 
-    def make_inputs(self, p: GroupNormProblem, rng: np.random.Generator,
-                    offset: float = 0.0) -> dict[str, np.ndarray]:
-        shape = (p.N, p.C, p.H, p.W)
-        # Per-channel offsets and scales so groups differ; never zeros.
-        chan_mu = rng.normal(0.0, 0.5, size=(1, p.C, 1, 1))
-        chan_sd = rng.uniform(0.5, 2.0, size=(1, p.C, 1, 1))
-        x = offset + chan_mu + chan_sd * rng.standard_normal(shape)
-        return {
-            "x": round_to(x, p.dtype),
-            "gamma": round_to(1.0 + 0.25 * rng.standard_normal(p.C), p.dtype),
-            "beta": round_to(0.25 * rng.standard_normal(p.C), p.dtype),
-        }
-
     def reference(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray],
                   eps: float = 1e-5) -> dict[str, np.ndarray]:
         return groupnorm_fwd_reference(inputs["x"], inputs.get("gamma"), inputs.get("beta"),
@@ -272,11 +283,6 @@ class GroupNormFwd(OpSpec):
                 u(ptrs["mean"]), u(ptrs["rstd"]), u(ptrs.get("ws", 0)), np.int32(p.C), np.int32(p.HW), np.int32(p.G),
                 np.float32(eps))
 
-    def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:
-        d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.Cg * a.HW / (b.Cg * b.HW)))
-        d += abs(math.log(a.N * a.G / (b.N * b.G))) + abs(math.log(a.Cg / b.Cg))
-        d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype) + 0.5 * (a.activation != b.activation)
-        return d
 
 
 def groupnorm_fwd_reference(x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,

@@ -3,15 +3,13 @@ dgamma/dbeta alone (`groupnorm_bwd_gamma_beta`). One template (groupnorm_bwd.cu.
 three; each op is one OpSpec with its own tuning space."""
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from ..space import load_space
-from .groupnorm import GroupNormProblem, groupnorm_bwd_reference, groupnorm_fwd_reference
+from .groupnorm import GroupNormOp, GroupNormProblem, groupnorm_bwd_reference, groupnorm_fwd_reference
 from .numeric import from_storage, round_to, to_storage
-from .spec import DTYPES, Config, Launch, OpSpec, Support, Target, Tolerance
+from .spec import DTYPES, Config, Launch, Support, Target, Tolerance
 
 _INT32_MAX = 2**31 - 1
 MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)
@@ -23,41 +21,13 @@ def _regs_per_thread(config: Config) -> int:
     return min(255, 65536 // (config["threads"] * config["min_blocks"]))
 
 
-class _GroupNormBwd(OpSpec):
+class _GroupNormBwd(GroupNormOp):
     """What the three backward ops share; subclasses say which outputs they produce."""
 
     template: ClassVar[str] = "groupnorm_bwd.cu.j2"
     want_dx: ClassVar[bool]
     want_dgb: ClassVar[bool]
     outputs: ClassVar[tuple[str, ...]]
-
-    @property
-    def space(self):
-        return load_space(self.name)
-
-    # ---- problems ----
-    def parse_problem(self, **kw: Any) -> GroupNormProblem:
-        return GroupNormProblem(**kw)
-
-    def problem_from_key(self, key: str) -> GroupNormProblem:
-        return GroupNormProblem.from_key(key)
-
-    def problems_from_cli(self, args: Any) -> list[GroupNormProblem]:
-        if len(args.shape) != 4:
-            raise ValueError(f"--shape: takes N,C,H,W (4 numbers), got {len(args.shape)}")
-        if args.groups is None:
-            raise ValueError("--groups: required with --shape")
-        n, c, h, w = args.shape
-        return [self.parse_problem(N=n, C=c, H=h, W=w, G=args.groups, dtype=d, layout=l,
-                                   activation=args.activation or "none")
-                for d in (args.dtype or ["bf16"]) for l in (args.layout or ["nchw"])]
-
-    def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
-                         activations: list[str] | None = None) -> list[GroupNormProblem]:
-        dp = self.space.default_problems
-        return [GroupNormProblem(N, C, H, W, G, d, l, a) for N, C, H, W, G in dp["shapes"]
-                for d in dtypes or dp["dtypes"] for l in layouts or dp["layouts"]
-                for a in activations or dp["activations"]]
 
     # ---- configs ----
     def scheme(self, config: Config) -> str:
@@ -154,10 +124,9 @@ class _GroupNormBwd(OpSpec):
 
     def render_context(self, p: GroupNormProblem, config: Config, target: Target) -> dict[str, Any]:
         d = DTYPES[p.dtype]
-        ctx = dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, activation=p.activation,
-                   storage=d["storage"], itemsize=d["itemsize"], vec=config["vec_bytes"] // d["itemsize"],
-                   want_dx=self.want_dx, want_dgb=self.want_dgb, scheme=self.scheme(config))
-        return ctx
+        return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, activation=p.activation,
+                    storage=d["storage"], itemsize=d["itemsize"], vec=config["vec_bytes"] // d["itemsize"],
+                    want_dx=self.want_dx, want_dgb=self.want_dgb, scheme=self.scheme(config))
 
     # ---- launches and memory ----
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
@@ -198,18 +167,13 @@ class _GroupNormBwd(OpSpec):
     # ---- data ----
     def make_inputs(self, p: GroupNormProblem, rng: np.random.Generator,
                     offset: float = 0.0, eps: float = 1e-5) -> dict[str, np.ndarray]:
-        shape = (p.N, p.C, p.H, p.W)
-        chan_mu = rng.normal(0.0, 0.5, size=(1, p.C, 1, 1))
-        chan_sd = rng.uniform(0.5, 2.0, size=(1, p.C, 1, 1))
-        x = round_to(offset + chan_mu + chan_sd * rng.standard_normal(shape), p.dtype)
-        gamma = round_to(1.0 + 0.25 * rng.standard_normal(p.C), p.dtype)
-        beta = round_to(0.25 * rng.standard_normal(p.C), p.dtype)
-        # mean/rstd as the forward stores them: fp32
-        fwd = groupnorm_fwd_reference(x, None, None, p.G, eps)
-        mean = fwd["mean"].astype(np.float32).astype(np.float64)
-        rstd = fwd["rstd"].astype(np.float32).astype(np.float64)
-        dy = round_to(rng.standard_normal(shape), p.dtype)
-        return {"dy": dy, "x": x, "mean": mean, "rstd": rstd, "gamma": gamma, "beta": beta}
+        """The forward's x, gamma, beta; mean/rstd as the forward stores them (fp32); dy."""
+        inputs = super().make_inputs(p, rng, offset)
+        fwd = groupnorm_fwd_reference(inputs["x"], None, None, p.G, eps)
+        inputs["mean"] = fwd["mean"].astype(np.float32).astype(np.float64)
+        inputs["rstd"] = fwd["rstd"].astype(np.float32).astype(np.float64)
+        inputs["dy"] = round_to(rng.standard_normal((p.N, p.C, p.H, p.W)), p.dtype)
+        return inputs
 
     def reference(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray],
                   eps: float = 1e-5) -> dict[str, np.ndarray]:
@@ -230,7 +194,7 @@ class _GroupNormBwd(OpSpec):
         t = self.tolerance(p.dtype, output)
         if output == "dx":
             return t
-        # fp32 sums of N*H*W terms of size ~1: absolute error grows ~ sqrt(count) * 2^-24 * count^0.5
+        # fp32 sums of N*H*W terms of size ~1: the accumulation error bound grows with the count
         count = p.N * p.HW
         return Tolerance(t.atol + 2e-6 * count, t.rtol)
 
@@ -262,12 +226,6 @@ class _GroupNormBwd(OpSpec):
             if k in self.outputs:
                 out[k] = from_storage(raw[k], p.dtype)
         return out
-
-    def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:
-        d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.Cg * a.HW / (b.Cg * b.HW)))
-        d += abs(math.log(a.N * a.G / (b.N * b.G))) + abs(math.log(a.Cg / b.Cg))
-        d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype) + 0.5 * (a.activation != b.activation)
-        return d
 
 
 class GroupNormBwd(_GroupNormBwd):

@@ -1,7 +1,8 @@
 """Measure EVERY valid config of one problem (compiled in parallel, verified, timed) and print
 the best ones per family. Answers "is the space or the sampler the limit?".
 
-    python bench/sweep.py --shape 8,320,64,64 --groups 32 --dtype bf16 --layout nhwc [--out DIR]"""
+    python bench/sweep.py --shape 8,320,64,64 --groups 32 --dtype bf16 --layout nhwc [--out DIR]
+    python bench/sweep.py --op maxpool2d_fwd --key 'N=64,C=64,...,idx=0' [--limit 60] [--out DIR]"""
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,11 @@ from pathlib import Path
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", required=True)
-    ap.add_argument("--groups", type=int, required=True)
+    ap.add_argument("--op", default="groupnorm_fwd")
+    ap.add_argument("--key", help="a problem key (any op); instead of --shape/--groups")
+    ap.add_argument("--limit", type=int, default=0, help="measure at most this many configs (model order)")
+    ap.add_argument("--shape")
+    ap.add_argument("--groups", type=int)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--layout", default="nchw")
     ap.add_argument("--activation", default="none")
@@ -28,10 +32,16 @@ def main() -> int:
     from ckgen.verify import Harness
 
     info = device_info(None)
-    op = get_op("groupnorm_fwd")
-    N, C, H, W = map(int, a.shape.split(","))
-    p = op.parse_problem(N=N, C=C, H=H, W=W, G=a.groups, dtype=a.dtype, layout=a.layout, activation=a.activation)
-    valid = [c for c in op.space.enumerate() if op.validate(p, c, info.target)]
+    op = get_op(a.op)
+    if a.key:
+        p = op.problem_from_key(a.key)
+    else:
+        N, C, H, W = map(int, a.shape.split(","))
+        p = op.parse_problem(N=N, C=C, H=H, W=W, G=a.groups, dtype=a.dtype, layout=a.layout, activation=a.activation)
+    if a.limit:
+        valid = op.seed_configs(p, info.target, info.num_sms, a.limit)
+    else:
+        valid = [c for c in op.space.enumerate() if op.validate(p, c, info.target)]
     t0 = time.monotonic()
     timer = Timer(info.l2_bytes, warmup=2, runs=15)
     obj = _Objective(op, p, info.target, Harness(op, p), timer)
@@ -50,14 +60,15 @@ def main() -> int:
           f"{failed} failed; copy {copy:.1f} us")
     for us, name, _ in rows[:12]:
         print(f"  {us:8.1f} us  eff {copy / us:.2f}  {name}")
-    fam = collections.defaultdict(list)
-    for us, name, cfg in rows:
-        fam[(cfg["slice_in"], cfg["cluster"], cfg.get("groups_per_block"))].append(us)
-    print("best per (slice_in, cluster, groups_per_block):",
-          {f"{k[0]}/c{k[1]}/g{k[2]}": round(min(v), 1) for k, v in sorted(fam.items())})
+    if rows and "slice_in" in rows[0][2]:
+        fam = collections.defaultdict(list)
+        for us, name, cfg in rows:
+            fam[(cfg["slice_in"], cfg["cluster"], cfg.get("groups_per_block"))].append(us)
+        print("best per (slice_in, cluster, groups_per_block):",
+              {f"{k[0]}/c{k[1]}/g{k[2]}": round(min(v), 1) for k, v in sorted(fam.items())})
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / f"sweep-{p.layout}-{p.N}x{p.C}x{p.H}x{p.W}.json").write_text(
+        (Path(a.out) / f"sweep-{op.name}-{p.layout}-{p.N}x{p.C}x{p.H}x{p.W}.json").write_text(
             json.dumps({"problem": p.key(), "copy_us": copy, "rows": rows}, indent=0))
     return 0
 

@@ -18,6 +18,8 @@ def main() -> int:
     ap.add_argument("--op", default="groupnorm_fwd")
     ap.add_argument("--key", help="a problem key (any op); instead of --shape/--groups")
     ap.add_argument("--limit", type=int, default=0, help="measure at most this many configs (model order)")
+    ap.add_argument("--config", action="append", default=[],
+                    help="measure only this config, as JSON (repeatable); e.g. for a profiler run")
     ap.add_argument("--shape")
     ap.add_argument("--groups", type=int)
     ap.add_argument("--dtype", default="bf16")
@@ -38,7 +40,10 @@ def main() -> int:
     else:
         N, C, H, W = map(int, a.shape.split(","))
         p = op.parse_problem(N=N, C=C, H=H, W=W, G=a.groups, dtype=a.dtype, layout=a.layout, activation=a.activation)
-    if a.limit:
+    if a.config:
+        from ckgen.ops.spec import Config
+        valid = [Config.of(json.loads(c)) for c in a.config]
+    elif a.limit:
         valid = op.seed_configs(p, info.target, info.num_sms, a.limit)
     else:
         valid = [c for c in op.space.enumerate() if op.validate(p, c, info.target)]

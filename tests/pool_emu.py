@@ -40,6 +40,7 @@ static inline float atomicAdd(float* p, float v) { float o = *p; *p = o + v; ret
 using std::min; using std::max;
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
+struct longlong2 { long long x, y; };
 """
 WRAPPER = r"""
 extern "C" void emu_{k}(unsigned grid, unsigned block, const void* x, void* y, long long* idx, const void* dy,

@@ -110,3 +110,35 @@ def test_emulator_catches_a_wrong_kernel():
     got = pool_emu.run(op, p, c, inputs)["y"]
     want = op.reference(q, inputs)["y"]
     assert got.shape != want.shape or max_violation(got, want, 0, 0) > 1
+
+
+def test_fast_paths_nchw_row_vectors_and_aligned_gather():
+    """The forward's NCHW row vectors (vector core plus single-element overhang, vector and
+    scalar stores) and the backward's stride-aligned gather, on widths where the last tile is
+    partial or the vector stores are misaligned, for every dtype."""
+    rng = np.random.default_rng()
+    t = pool_emu.EMU_TARGET
+    geos = [dict(kernel=3, stride=2, padding=1), dict(kernel=2, stride=2), dict(kernel=3, stride=1, padding=1),
+            dict(kernel=3, stride=2, padding=1, ceil_mode=True), dict(kernel=(3, 2), stride=(2, 1), padding=(1, 0))]
+    n_vec = n_aligned = 0
+    for name, extra in [("maxpool2d_fwd", dict(return_indices=True)), ("maxpool2d_fwd", dict(return_indices=False)),
+                        ("avgpool2d_fwd", {}), ("maxpool2d_bwd", dict(indices="stored")),
+                        ("maxpool2d_bwd", dict(indices="recompute")), ("avgpool2d_bwd", dict(count_include_pad=False))]:
+        op = get_op(name)
+        for gi, geo in enumerate(geos):
+            dtype = ["fp32", "fp16", "bf16"][gi % 3]
+            for layout in ("nchw", "nhwc"):
+                p = op.parse_problem(N=2, C=8, H=11, W=24, dtype=dtype, layout=layout, **geo, **extra)
+                inputs = op.make_inputs(p, rng)
+                if op.pool == "max":
+                    inputs = specials(p, inputs, rng)
+                cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
+                if op.backward:
+                    fast = [c for c in cfgs if op.aligned_gather(p, c)]
+                    n_aligned += bool(fast)
+                else:
+                    fast = [c for c in cfgs if op.row_vec_elems(p, c) > 1 or c["tw"] >= 4]
+                    n_vec += bool(fast) and layout == "nchw"
+                for c in random.Random(f"{name}{geo}{layout}").sample(fast, min(3, len(fast))):
+                    check(op, p, c, inputs)
+    assert n_vec >= 10 and n_aligned >= 20

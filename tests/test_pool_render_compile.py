@@ -176,15 +176,20 @@ def test_validate_reasons():
     t = Target.named("sm_90")
     nchw, nhwc = problem("maxpool2d_fwd", "bf16", "nchw"), problem("maxpool2d_fwd", "bf16", "nhwc", C=20)
     d = op.space.default
-    ok = op.validate(nchw, d, t)
-    assert not ok and "NCHW" in ok.reason and "vec_bytes" in ok.reason
+    ok = op.validate(nchw, d, t)  # NCHW vectors run along W: 8 bf16 do not divide W = 28
+    assert not ok and "vec_bytes=16" in ok.reason and "W=28" in ok.reason
+    ok = op.validate(nchw, d.replace(vec_bytes=8), t)  # 4 elements: tw * stride = 4, W = 28
+    assert ok, ok.reason
+    ok = op.validate(nchw, d.replace(vec_bytes=8, tw=1), t)  # span 2 is not a whole 4-vector
+    assert not ok and "tw*stride=2" in ok.reason
     ok = op.validate(nhwc, d, t)  # 8 channels per vector, C = 20
     assert not ok and "C=20" in ok.reason
     assert op.validate(nhwc, d.replace(vec_bytes=8), t)
     ok = op.validate(nhwc, d.replace(vec_bytes=8, threads=64), Target.named("gfx942"))
     assert ok, ok.reason
-    ok = op.validate(nchw, d.replace(vec_bytes=4), t)
-    assert not ok and "vec_bytes" in ok.reason
+    bwd_nchw = problem("maxpool2d_bwd", "bf16", "nchw")
+    ok = get_op("maxpool2d_bwd").validate(bwd_nchw, get_op("maxpool2d_bwd").space.default.replace(vec_bytes=4), t)
+    assert not ok and "vec_bytes" in ok.reason and "NCHW" in ok.reason
     small = problem("maxpool2d_fwd", "fp32", "nchw", H=2, W=2, kernel=2, stride=2, padding=0)
     ok = op.validate(small, d.replace(vec_bytes=4), t)
     assert not ok and "tw=2" in ok.reason

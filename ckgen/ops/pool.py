@@ -386,7 +386,19 @@ class _PoolOp(OpSpec):
 
     # ---- configs ----
     def vec_elems(self, p: PoolProblem, config: Config) -> int:
-        return config["vec_bytes"] // DTYPES[p.dtype]["itemsize"]
+        """Channels per vector: vec_bytes of them in NHWC, 1 in NCHW."""
+        return config["vec_bytes"] // DTYPES[p.dtype]["itemsize"] if p.layout == "nhwc" else 1
+
+    def row_vec_elems(self, p: PoolProblem, config: Config) -> int:
+        """NCHW: elements per vector load along W (vec_bytes of them); 1 in NHWC."""
+        return config["vec_bytes"] // DTYPES[p.dtype]["itemsize"] if p.layout == "nchw" else 1
+
+    def aligned_gather(self, p: PoolProblem, config: Config) -> bool:
+        """Backward gather with a tile that starts at multiples of the stride: which outputs cover
+        which tile element is then known at compile time (the fast gather)."""
+        th, tw = self.tile(config)
+        return self.backward and config.as_dict().get("algo") == "gather" and \
+            tw % p.stride[1] == 0 and th % p.stride[0] == 0
 
     def tile(self, config: Config) -> tuple[int, int]:
         """(rows, cols) of the positions one thread computes: outputs (forward) or inputs (gather)."""
@@ -424,12 +436,18 @@ class _PoolOp(OpSpec):
         vec = vb // item
         if threads % target.warp_size:
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
+        th, tw = self.tile(config)
         if p.layout == "nchw" and vec != 1:
-            return Support.no(f"vec_bytes={vb}: NCHW reads single {p.dtype} elements (vec_bytes={item}); "
-                              "vectors run along C in NHWC")
+            if self.backward:
+                return Support.no(f"vec_bytes={vb}: the NCHW backward reads single {p.dtype} elements "
+                                  f"(vec_bytes={item}); vectors run along C in NHWC")
+            if p.W % vec:
+                return Support.no(f"vec_bytes={vb}: a vector of {vec} elements along W does not divide W={p.W}")
+            if (tw * p.stride[1]) % vec:
+                return Support.no(f"vec_bytes={vb}: a thread's input span tw*stride={tw * p.stride[1]} is not "
+                                  f"a whole number of {vec}-element vectors")
         if p.layout == "nhwc" and p.C % vec:
             return Support.no(f"vector of {vec} channels does not divide C={p.C}")
-        th, tw = self.tile(config)
         rows, cols = (p.H, p.W) if self.backward else (p.OH, p.OW)
         if tw > 1 and tw > cols:
             return Support.no(f"tw={tw} positions per thread exceed the width {cols}")
@@ -473,7 +491,8 @@ class _PoolOp(OpSpec):
         d = DTYPES[p.dtype]
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = p.kernel, p.stride, p.padding, p.dilation
         ctx = dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, storage=d["storage"],
-                   itemsize=d["itemsize"], vec=self.vec_elems(p, config), pool=self.pool,
+                   itemsize=d["itemsize"], vec=self.vec_elems(p, config), rvec=self.row_vec_elems(p, config),
+                   pool=self.pool, aligned=False,
                    kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, overlap=p.overlap,
                    return_indices=False, indices="none", count_include_pad=True, divisor_override=0)
         ctx.update(self._context_flags(p))
@@ -511,14 +530,16 @@ class _PoolOp(OpSpec):
         return d
 
     def seed_configs(self, p: PoolProblem, target: Target, num_sms: int, count: int) -> list[Config]:
-        """Valid configs a simple model likes: 16-byte vectors (NHWC), 2-4 positions per thread
-        along W, enough threads to fill every SM a few times, 256-thread blocks."""
+        """Valid configs a simple model likes: 16-byte vectors, 4-16 positions per thread (the
+        stride-aligned gather in the backward), enough threads to fill every SM a few times,
+        256-thread blocks."""
         def score(c: Config) -> float:
             items = self._work_items(p, c)
             fill = min(1.0, items / (num_sms * 2048))
             th, tw = self.tile(c)
-            return (2.0 * c["vec_bytes"] / 16 + 2.0 * fill + 0.5 * (tw in (2, 4)) + 0.25 * (th == 2)
-                    - 0.25 * abs(math.log2(c["threads"] / 256)) + 0.25 * (c.as_dict().get("algo", "gather") == "gather"))
+            return (2.0 * c["vec_bytes"] / 16 + 2.0 * fill + 0.5 * (4 <= th * tw <= 16) + 0.25 * (tw >= th)
+                    + 1.0 * self.aligned_gather(p, c) - 0.25 * abs(math.log2(c["threads"] / 256))
+                    + 0.25 * (c.as_dict().get("algo", "gather") == "gather"))
 
         valid = sorted((c for c in self.space.enumerate() if self.validate(p, c, target)), key=score, reverse=True)
         return valid[:count]
@@ -549,7 +570,8 @@ class MaxPool2dFwd(_PoolOp):
     def _regs_needed(self, p: MaxPoolFwdProblem, config: Config) -> int:
         th, tw = self.tile(config)
         vec = self.vec_elems(p, config)
-        return th * tw * vec * (2 if p.return_indices else 1) + 2 * vec + 24
+        row = (tw - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1] if p.layout == "nchw" else 2 * vec
+        return th * tw * vec * (2 if p.return_indices else 1) + row + 24
 
     def min_bytes(self, p: MaxPoolFwdProblem) -> int:
         item = DTYPES[p.dtype]["itemsize"]
@@ -606,7 +628,8 @@ class AvgPool2dFwd(_PoolOp):
     def _regs_needed(self, p: AvgPoolProblem, config: Config) -> int:
         th, tw = self.tile(config)
         vec = self.vec_elems(p, config)
-        return th * tw * vec + 2 * vec + 24
+        row = (tw - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1] if p.layout == "nchw" else 2 * vec
+        return th * tw * vec + row + 24
 
     def min_bytes(self, p: AvgPoolProblem) -> int:
         item = DTYPES[p.dtype]["itemsize"]
@@ -654,7 +677,18 @@ class _PoolBwd(_PoolOp):
     def _regs_needed(self, p: PoolProblem, config: Config) -> int:
         th, tw = self.tile(config)
         vec = self.vec_elems(p, config)
+        if self.aligned_gather(p, config):
+            (_, na), (_, nb) = _cover_span(self._cover(p, config, 0)), _cover_span(self._cover(p, config, 1))
+            return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32
         return th * tw * vec + 4 * vec + 32
+
+    def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
+        """Aligned gather, per tile position t along `axis` (0: H, 1: W): the outputs whose
+        windows cover it, as offsets from tile_start / stride, ascending (PyTorch's order)."""
+        t_n = self.tile(config)[axis]
+        k, s, pad, d = p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis]
+        return [sorted({(t + pad - i * d) // s for i in range(k) if (t + pad - i * d) % s == 0})
+                for t in range(t_n)]
 
     def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         main = super().launches(p, config, target)
@@ -672,6 +706,10 @@ class _PoolBwd(_PoolOp):
     def render_context(self, p: PoolProblem, config: Config, target: Target) -> dict[str, Any]:
         ctx = super().render_context(p, config, target)
         ctx["scatter_ws"] = self._scatter_to_ws(p)
+        if self.aligned_gather(p, config):
+            ch, cw = self._cover(p, config, 0), self._cover(p, config, 1)
+            (h0, hn), (w0, wn) = _cover_span(ch), _cover_span(cw)
+            ctx.update(aligned=True, cover_h=ch, cover_w=cw, cover_h0=h0, cover_hn=hn, cover_w0=w0, cover_wn=wn)
         return ctx
 
     def output_buffers(self, p: PoolProblem) -> dict[str, tuple[int, Any]]:
@@ -679,6 +717,12 @@ class _PoolBwd(_PoolOp):
 
     def unpack_outputs(self, p: PoolProblem, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {"dx": self._logical(p, from_storage(raw["dx"], p.dtype), p.H, p.W)}
+
+
+def _cover_span(cover: list[list[int]]) -> tuple[int, int]:
+    """(first offset, count) of the outputs a tile's cover lists name (at least one)."""
+    offs = [o for lst in cover for o in lst]
+    return (min(offs), max(offs) - min(offs) + 1) if offs else (0, 1)
 
 
 class MaxPool2dBwd(_PoolBwd):

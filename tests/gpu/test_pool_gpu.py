@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = ("fp32", "fp16", "bf16")
 LAYOUTS = ("nchw", "nhwc")
-SHAPE = dict(N=2, C=32, H=13, W=15)
+SHAPE = dict(N=2, C=32, H=13, W=24)  # W = 24: NCHW row vectors of up to 8 fit; partial last tiles
 MAX_GEOS = [
     dict(kernel=3, stride=2, padding=1),
     dict(kernel=3, stride=2, padding=1, ceil_mode=True),
@@ -41,7 +41,7 @@ AVG_GEOS = [
 CASES = ([("maxpool2d_fwd", dict(g, return_indices=ri)) for g in MAX_GEOS for ri in (True, False)]
          + [("maxpool2d_bwd", dict(g, indices=ind)) for g in MAX_GEOS for ind in ("stored", "recompute")]
          + [("avgpool2d_fwd", g) for g in AVG_GEOS] + [("avgpool2d_bwd", g) for g in AVG_GEOS])
-CONFIGS = 4
+CONFIGS = 5
 
 
 def _id(case) -> str:
@@ -61,14 +61,21 @@ def _problem(name, kw, dtype, layout):
 
 
 def _configs(op, p, target, n=CONFIGS):
-    """The default (or nearest valid), a scatter config (backward), then seeded random others."""
+    """The default (or nearest valid), a scatter config (backward), a fast-path config (NCHW row
+    vectors / NHWC 16-byte vectors in the forward, a stride-aligned gather in the backward), then
+    seeded random others."""
     valid = [c for c in op.space.enumerate() if op.validate(p, c, target)]
     first = op.space.nearest_default(lambda c: bool(op.validate(p, c, target)))
     picked = [first]
+    rng = random.Random(p.key())
     if op.backward:
         picked += [c for c in valid if c["algo"] == "scatter"][:1]
+        fast = [c for c in valid if op.aligned_gather(p, c) and c not in picked]
+    else:
+        fast = [c for c in valid if c["vec_bytes"] >= 8 and c["tw"] >= 2 and c not in picked]
+    picked += rng.sample(fast, min(1, len(fast)))
     rest = [c for c in valid if c not in picked]
-    random.Random(p.key()).shuffle(rest)
+    rng.shuffle(rest)
     return (picked + rest)[:n]
 
 

@@ -20,6 +20,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=0, help="measure at most this many configs (model order)")
     ap.add_argument("--config", action="append", default=[],
                     help="measure only this config, as JSON (repeatable); e.g. for a profiler run")
+    ap.add_argument("--where", help="only configs c for which this Python expression is true, e.g. \"c['tw'] == 1\"")
     ap.add_argument("--shape")
     ap.add_argument("--groups", type=int)
     ap.add_argument("--dtype", default="bf16")
@@ -40,7 +41,10 @@ def main() -> int:
     else:
         N, C, H, W = map(int, a.shape.split(","))
         p = op.parse_problem(N=N, C=C, H=H, W=W, G=a.groups, dtype=a.dtype, layout=a.layout, activation=a.activation)
-    if a.config:
+    if a.where:
+        valid_all = [c for c in op.space.enumerate() if op.validate(p, c, info.target)]
+        valid = [c for c in valid_all if eval(a.where, {}, {"c": c.as_dict()})][: a.limit or None]
+    elif a.config:
         from ckgen.ops.spec import Config
         valid = [Config.of(json.loads(c)) for c in a.config]
     elif a.limit:

@@ -114,13 +114,13 @@ def test_emulator_catches_a_wrong_kernel():
 
 def test_fast_paths_nchw_row_vectors_and_aligned_gather():
     """The forward's NCHW row vectors (vector core plus single-element overhang, vector and
-    scalar stores) and the backward's stride-aligned gather, on widths where the last tile is
-    partial or the vector stores are misaligned, for every dtype."""
+    scalar stores), the backward's stride-aligned gather and 2-D block patches (block_rows > 1),
+    on widths where the last tile is partial or the vector stores are misaligned, every dtype."""
     rng = np.random.default_rng()
     t = pool_emu.EMU_TARGET
     geos = [dict(kernel=3, stride=2, padding=1), dict(kernel=2, stride=2), dict(kernel=3, stride=1, padding=1),
             dict(kernel=3, stride=2, padding=1, ceil_mode=True), dict(kernel=(3, 2), stride=(2, 1), padding=(1, 0))]
-    n_vec = n_aligned = 0
+    n_vec = n_aligned = n_br = 0
     for name, extra in [("maxpool2d_fwd", dict(return_indices=True)), ("maxpool2d_fwd", dict(return_indices=False)),
                         ("avgpool2d_fwd", {}), ("maxpool2d_bwd", dict(indices="stored")),
                         ("maxpool2d_bwd", dict(indices="recompute")), ("avgpool2d_bwd", dict(count_include_pad=False))]:
@@ -139,6 +139,10 @@ def test_fast_paths_nchw_row_vectors_and_aligned_gather():
                 else:
                     fast = [c for c in cfgs if op.row_vec_elems(p, c) > 1 or c["tw"] >= 4]
                     n_vec += bool(fast) and layout == "nchw"
-                for c in random.Random(f"{name}{geo}{layout}").sample(fast, min(3, len(fast))):
+                rr = random.Random(f"{name}{geo}{layout}")
+                picked = rr.sample(fast, min(3, len(fast)))
+                picked += rr.sample([c for c in fast if c["block_rows"] > 1 and c not in picked], 1)
+                n_br += 1
+                for c in picked:
                     check(op, p, c, inputs)
-    assert n_vec >= 10 and n_aligned >= 20
+    assert n_vec >= 10 and n_aligned >= 20 and n_br >= 50

@@ -409,18 +409,32 @@ class _PoolOp(OpSpec):
         ek = p.eff_kernel
         return ((th - 1) * p.stride[0] + ek[0]) * ((tw - 1) * p.stride[1] + ek[1])
 
-    def _work_items(self, p: PoolProblem, config: Config) -> int:
-        """Threads of the main kernel (each: a tile of positions x one vector of channels)."""
+    def _tiles(self, p: PoolProblem, config: Config) -> tuple[int, int, int, int]:
+        """(planes, tile rows, tile columns, channel vectors) of the main kernel's decomposition."""
         th, tw = self.tile(config)
-        vec = self.vec_elems(p, config)
         if self.backward and config["algo"] == "scatter":
             rows, cols = p.OH, p.OW
         elif self.backward:
             rows, cols = p.H, p.W
         else:
             rows, cols = p.OH, p.OW
-        per_plane = _cdiv(rows, th) * _cdiv(cols, tw)
-        return p.N * per_plane * (p.C // vec if p.layout == "nhwc" else p.C)
+        if p.layout == "nhwc":
+            return p.N, _cdiv(rows, th), _cdiv(cols, tw), p.C // self.vec_elems(p, config)
+        return p.N * p.C, _cdiv(rows, th), _cdiv(cols, tw), 1
+
+    def _work_items(self, p: PoolProblem, config: Config) -> int:
+        """Threads of the main kernel (each: a tile of positions x one vector of channels)."""
+        planes, nrow, ncol, cvec = self._tiles(p, config)
+        return planes * nrow * ncol * cvec
+
+    def _blocks(self, p: PoolProblem, config: Config) -> int:
+        """Blocks of the main kernel: threads / block (block_rows = 1), or planes x block rows x
+        block columns (each block BR tile rows x threads / (C/VEC * BR) tile columns)."""
+        br, t = config.as_dict().get("block_rows", 1), config["threads"]
+        if br == 1:
+            return _cdiv(self._work_items(p, config), t)
+        planes, nrow, ncol, cvec = self._tiles(p, config)
+        return planes * _cdiv(nrow, br) * _cdiv(ncol, t // (cvec * br))
 
     def _regs_needed(self, p: PoolProblem, config: Config) -> int:
         raise NotImplementedError
@@ -465,7 +479,16 @@ class _PoolOp(OpSpec):
         items = self._work_items(p, config)
         if items >= _U32:
             return Support.no(f"{items} threads exceed the 32-bit thread index; use a larger tile or vector")
-        if _cdiv(items, threads) >= _I32:
+        br = config.as_dict().get("block_rows", 1)
+        if br > 1:
+            planes, nrow, ncol, cvec = self._tiles(p, config)
+            if threads % (cvec * br):
+                return Support.no(f"block_rows={br}: {cvec} channel vectors x {br} rows do not divide threads={threads}")
+            if br > nrow:
+                return Support.no(f"block_rows={br} exceed the {nrow} tile rows")
+            if self._blocks(p, config) * threads >= _U32:
+                return Support.no("block_rows: padded grid exceeds the 32-bit thread index")
+        if self._blocks(p, config) >= _I32:
             return Support.no("grid too large")
         return self._validate_more(p, config, target)
 
@@ -478,8 +501,10 @@ class _PoolOp(OpSpec):
         geo = (f"k{kh}s{sh}p{ph}d{dh}" if sq else f"k{kh}x{kw}s{sh}x{sw}p{ph}x{pw}d{dh}x{dw}")
         geo += "_ceil" if p.ceil_mode else ""
         c = config
+        br = c.as_dict().get("block_rows", 1)
         return (f"ckgen_{self.name}_{p.dtype}_{p.layout}_{geo}{self._name_flags(p)}_t{c['threads']}"
-                f"_v{c['vec_bytes']}_ow{c['tw']}_oh{c['th']}_m{c['min_blocks']}{self._name_algo(c)}")
+                f"_v{c['vec_bytes']}_ow{c['tw']}_oh{c['th']}{f'_br{br}' if br > 1 else ''}"
+                f"_m{c['min_blocks']}{self._name_algo(c)}")
 
     def _name_flags(self, p: PoolProblem) -> str:
         return ""
@@ -492,7 +517,7 @@ class _PoolOp(OpSpec):
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = p.kernel, p.stride, p.padding, p.dilation
         ctx = dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, storage=d["storage"],
                    itemsize=d["itemsize"], vec=self.vec_elems(p, config), rvec=self.row_vec_elems(p, config),
-                   pool=self.pool, aligned=False,
+                   pool=self.pool, aligned=False, block_rows=config.as_dict().get("block_rows", 1),
                    kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, overlap=p.overlap,
                    return_indices=False, indices="none", count_include_pad=True, divisor_override=0)
         ctx.update(self._context_flags(p))
@@ -504,7 +529,7 @@ class _PoolOp(OpSpec):
     def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         name = self.instance_name(p, config)
         t = config["threads"]
-        return (Launch(name, (_cdiv(self._work_items(p, config), t), 1, 1), (t, 1, 1)),)
+        return (Launch(name, (self._blocks(p, config), 1, 1), (t, 1, 1)),)
 
     # ---- buffers ----
     def _plane_major(self, p: PoolProblem, a: np.ndarray) -> np.ndarray:

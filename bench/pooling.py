@@ -144,7 +144,11 @@ def main() -> int:
              "Measured in one run by bench/pooling.py: CUDA events, L2 flushed before every run, median of 30. "
              "Copy = device-to-device copy of the op's minimum bytes, same run; eff = copy time / op time. "
              "maxpool2d_bwd eager/compile read stored int64 indices (PyTorch has no recompute path). "
-             f"Tuned with {trials} trials on a proxy batch (<= {PROXY_ELEMS >> 20}M input elements).", "",
+             ("Configs: what the dispatcher picks from the instance DB (shipped + user); `(tuned)`: this "
+              "exact problem's DB entry, `(nearest)`: the winner of the nearest tuned problem with the same "
+              "pooling params, layout and dtype. "
+              + (f"Untuned suite shapes were first tuned with {trials} trials on a proxy batch "
+                 f"(<= {PROXY_ELEMS >> 20}M input elements)." if trials else "No tuning in this run.")), "",
              "| op | problem | min MB | copy us | ckgen us | GB/s | eff | eager us | compile us | vs eager | vs compile "
              "| max err vs torch | instance |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

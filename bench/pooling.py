@@ -144,7 +144,7 @@ def main() -> int:
              "Measured in one run by bench/pooling.py: CUDA events, L2 flushed before every run, median of 30. "
              "Copy = device-to-device copy of the op's minimum bytes, same run; eff = copy time / op time. "
              "maxpool2d_bwd eager/compile read stored int64 indices (PyTorch has no recompute path). "
-             ("Configs: what the dispatcher picks from the instance DB (shipped + user); `(tuned)`: this "
+             + ("Configs: what the dispatcher picks from the instance DB (shipped + user); `(tuned)`: this "
               "exact problem's DB entry, `(nearest)`: the winner of the nearest tuned problem with the same "
               "pooling params, layout and dtype. "
               + (f"Untuned suite shapes were first tuned with {trials} trials on a proxy batch "

@@ -47,6 +47,7 @@ constexpr int PH = 1, PW = 1;    // padding
 constexpr int DH = 1, DW = 1;    // dilation
 constexpr int EKH = (KH - 1) * DH + 1, EKW = (KW - 1) * DW + 1;  // effective kernel
 constexpr int VEC = 8;                 // channels per vector (NHWC); 1 in NCHW
+constexpr int RV = 1;                 // NCHW: elements per vector load along W; 1 in NHWC
 constexpr int BLOCK = 256;           // threads per block
 constexpr int TW = 2, TH = 1;    // positions per thread along W and H
 
@@ -60,6 +61,85 @@ constexpr int TW = 2, TH = 1;    // positions per thread along W and H
 CK_DEVICE bool ck_isnan(float v) { return (__float_as_uint(v) & 0x7fffffffu) > 0x7f800000u; }
 CK_DEVICE float ck_neg_inf() { return __uint_as_float(0xff800000u); }
 CK_DEVICE float ck_div_rn(float a, float b) { return a / b; }
+
+// NaN-propagating max (PyTorch's `v > m || isnan(v)` for values; a window holding both zeros may
+// give +0 where PyTorch keeps the first, and a NaN result is the canonical NaN). CUDA: max.NaN
+// (sm_80+), on fp32 and on two 16-bit values at once; HIP: the compare-and-select.
+CK_DEVICE float ck_fmax_nan(float m, float v) { return (v > m || ck_isnan(v)) ? v : m; }
+// One 32-bit word of storage: one fp32 or two 16-bit values, max per value.
+CK_DEVICE unsigned ck_wmax_nan(unsigned m, unsigned v) {
+  const unsigned short m0 = (unsigned short)(m & 0xffffu), m1 = (unsigned short)(m >> 16);
+  const unsigned short v0 = (unsigned short)(v & 0xffffu), v1 = (unsigned short)(v >> 16);
+  const float a0 = ck_to_f(v0), a1 = ck_to_f(v1), b0 = ck_to_f(m0), b1 = ck_to_f(m1);
+  const unsigned short r0 = (a0 > b0 || ck_isnan(a0)) ? v0 : m0, r1 = (a1 > b1 || ck_isnan(a1)) ? v1 : m1;
+  return (unsigned)r0 | ((unsigned)r1 << 16);
+}
+constexpr unsigned CK_NEG_INF_WORD = 0xff80ff80u;
+
+// N-element vector I/O (N a power of two), in accesses of at most 16 bytes; p is N-aligned.
+template <int B> struct ck_bits;
+template <> struct ck_bits<2> { typedef unsigned short t; };
+template <> struct ck_bits<4> { typedef unsigned int t; };
+template <> struct ck_bits<8> { typedef uint2 t; };
+template <> struct ck_bits<16> { typedef uint4 t; };
+template <typename T, int N> struct ck_chunk {
+  static constexpr int P = N * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : N;  // elements per access
+  typedef typename ck_bits<P * (int)sizeof(T)>::t raw;
+  union u { raw r; T s[P]; };
+};
+template <int N> CK_DEVICE void ck_loadn(const ck_store_t* CK_RESTRICT p, float* out) {
+  typedef ck_chunk<ck_store_t, N> K;
+#pragma unroll
+  for (int k = 0; k < N; k += K::P) {
+    typename K::u u;
+    u.r = *reinterpret_cast<const typename K::raw*>(p + k);
+#pragma unroll
+    for (int e = 0; e < K::P; ++e) out[k + e] = ck_to_f(u.s[e]);
+  }
+}
+template <int N> CK_DEVICE void ck_storen(ck_store_t* CK_RESTRICT p, const float* in) {
+  typedef ck_chunk<ck_store_t, N> K;
+#pragma unroll
+  for (int k = 0; k < N; k += K::P) {
+    typename K::u u;
+#pragma unroll
+    for (int e = 0; e < K::P; ++e) u.s[e] = ck_from_f(in[k + e]);
+    *reinterpret_cast<typename K::raw*>(p + k) = u.r;
+  }
+}
+template <int N> CK_DEVICE void ck_store_idxn(long long* CK_RESTRICT p, const int* in) {
+  if (N == 1) { p[0] = in[0]; return; }
+#pragma unroll
+  for (int k = 0; k + 1 < N; k += 2) {
+    longlong2 v;
+    v.x = in[k];
+    v.y = in[k + 1];
+    *reinterpret_cast<longlong2*>(p + k) = v;
+  }
+}
+
+// Columns w0 + c, c in [0, NC), of one input row into v[] as floats, `pad` outside [0, W). The
+// columns [w0 + PRE, w0 + PRE + CORE) start RV-aligned and at or after column 0, and are read in
+// RV-vectors (W % RV == 0, so a vector is wholly in or out of the row); the rest one by one.
+template <int NC, int PRE, int CORE>
+CK_DEVICE void ck_load_row(const ck_store_t* CK_RESTRICT row, int w0, int W, float pad, float* v) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int w = w0 + c;
+    if (c >= PRE && c < PRE + CORE) {
+      if ((c - PRE) % RV == 0) {
+        if (w < W) {
+          ck_loadn<RV>(row + w, v + c);
+        } else {
+#pragma unroll
+          for (int e = 0; e < RV; ++e) v[c + e] = pad;
+        }
+      }
+    } else {
+      v[c] = (unsigned)w < (unsigned)W ? ck_to_f(row[w]) : pad;
+    }
+  }
+}
 
 // The outputs whose windows cover input row h lie in [ck_pstart(h), ck_pend(h)) (PyTorch's p_start/p_end).
 CK_DEVICE int ck_pstart(int h, int pad, int ek, int s) { return (h + pad < ek) ? 0 : (h + pad - ek) / s + 1; }
@@ -77,10 +157,25 @@ CK_DEVICE int ck_avg_divisor(int oh, int ow, int H, int W) {
   if (h0 >= h1 || w0 >= w1) return 0;
   return DIVISOR ? DIVISOR : (COUNT_PAD ? pool : (h1 - h0) * (w1 - w0));
 }
+// The same divisor, separably: per output row (or column) o, the window's extent clipped to the
+// padded input (`full`) and to the input (`cnt`, <= 0: no input element).
+CK_DEVICE void ck_avg_extent(int o, int s, int pad, int k, int size, int& full, int& cnt) {
+  const int st = o * s - pad, en = min(st + k, size + pad);
+  full = en - st;
+  cnt = min(en, size) - max(st, 0);
+}
+CK_DEVICE int ck_avg_divisor2(int fh, int chh, int fw, int cw) {
+  if (chh <= 0 || cw <= 0) return 0;
+  return DIVISOR ? DIVISOR : (COUNT_PAD ? fh * fw : chh * cw);
+}
 
 // Thread -> (channel vector | channel plane, tile column, tile row, image): 32-bit (validate
 // keeps the thread count below 2^32). Sets `ok`, `tcol`, `trow`, `xb` (x/dx base of the (n, c)
 // plane or the n image plus the channel offset) and `yb` (the same for y/dy/indices).
+// BR == 1: consecutive threads run along (channel vector,) tile column, tile row, image. BR > 1:
+// a block covers BR tile rows x BLOCK / (C/VEC * BR) tile columns, so the rows its windows share
+// are read by one block (L1) rather than by neighbouring blocks (L2).
+constexpr int BR = 1;
 
 
 // A thread computes TH x TW adjacent outputs for one channel (NCHW) or one vector of VEC
@@ -92,16 +187,17 @@ constexpr int FC = (TW - 1) * SW + EKW;
 
 extern "C" __global__ void __launch_bounds__(BLOCK, 1)
 ckgen_avgpool2d_fwd_bf16_nhwc_k3s2p1d1_t256_v16_ow2_oh1_m1(CK_POOL_PARAMS) {
-  const unsigned t = blockIdx.x * (unsigned)BLOCK + threadIdx.x;
   const unsigned ncol = ((unsigned)(OW) + TW - 1) / TW;
   const unsigned nrow = ((unsigned)(OH) + TH - 1) / TH;
   const unsigned cvec = (unsigned)C / VEC;
-  unsigned r = t;
+  unsigned r = blockIdx.x * (unsigned)BLOCK + threadIdx.x;
   const unsigned cv = r % cvec; r /= cvec;
   const unsigned tcol = r % ncol; r /= ncol;
   const unsigned trow = r % nrow;
-  const unsigned n = r / nrow;
-  const bool ok = n < (unsigned)N;
+  const unsigned plane = r / nrow;
+  const bool in_tile = true;
+  const unsigned n = plane;
+  const bool ok = in_tile && n < (unsigned)N;
   const long long xb = (long long)n * H * W * C + (long long)cv * VEC;
   const long long yb = (long long)n * OH * OW * C + (long long)cv * VEC;
   auto xat = [&](int h, int w) -> long long { return xb + ((long long)h * W + w) * C; };

@@ -120,7 +120,7 @@ def test_fast_paths_nchw_row_vectors_and_aligned_gather():
     t = pool_emu.EMU_TARGET
     geos = [dict(kernel=3, stride=2, padding=1), dict(kernel=2, stride=2), dict(kernel=3, stride=1, padding=1),
             dict(kernel=3, stride=2, padding=1, ceil_mode=True), dict(kernel=(3, 2), stride=(2, 1), padding=(1, 0))]
-    n_vec = n_aligned = n_br = 0
+    n_vec = n_aligned = n_br = n_xfoot = 0
     for name, extra in [("maxpool2d_fwd", dict(return_indices=True)), ("maxpool2d_fwd", dict(return_indices=False)),
                         ("avgpool2d_fwd", {}), ("maxpool2d_bwd", dict(indices="stored")),
                         ("maxpool2d_bwd", dict(indices="recompute")), ("avgpool2d_bwd", dict(count_include_pad=False))]:
@@ -142,7 +142,10 @@ def test_fast_paths_nchw_row_vectors_and_aligned_gather():
                 rr = random.Random(f"{name}{geo}{layout}")
                 picked = rr.sample(fast, min(3, len(fast)))
                 picked += rr.sample([c for c in fast if c["block_rows"] > 1 and c not in picked], 1)
+                xf = [c for c in fast if op.backward and op.x_footprint(p, c) and op.row_vec_elems(p, c) > 1]
+                picked += rr.sample(xf, min(1, len(xf)))  # indices=None: x rows as vectors
+                n_xfoot += bool(xf)
                 n_br += 1
                 for c in picked:
                     check(op, p, c, inputs)
-    assert n_vec >= 10 and n_aligned >= 20 and n_br >= 50
+    assert n_vec >= 10 and n_aligned >= 20 and n_br >= 50 and n_xfoot >= 3

@@ -393,6 +393,17 @@ class _PoolOp(OpSpec):
         """NCHW: elements per vector load along W (vec_bytes of them); 1 in NHWC."""
         return config["vec_bytes"] // DTYPES[p.dtype]["itemsize"] if p.layout == "nchw" else 1
 
+    def x_footprint(self, p: PoolProblem, config: Config) -> bool:
+        """Max backward, indices=None, NCHW, stride-aligned gather: the covering outputs' windows
+        are read once into registers (rows as vectors) and every argmax comes from there."""
+        if not (self.backward and self.pool == "max" and getattr(p, "indices", "") == "recompute"
+                and p.layout == "nchw" and self.aligned_gather(p, config)):
+            return False
+        (_, nb), ob0 = _cover_span(self._cover(p, config, 1)), _cover_span(self._cover(p, config, 1))[0]
+        xc = (nb - 1) * p.stride[1] + p.eff_kernel[1]
+        pre = p.padding[1] - ob0 * p.stride[1]
+        return pre >= 0 and pre + self.tile(config)[1] <= xc
+
     def aligned_gather(self, p: PoolProblem, config: Config) -> bool:
         """Backward gather with a tile that starts at multiples of the stride: which outputs cover
         which tile element is then known at compile time (the fast gather)."""
@@ -452,12 +463,15 @@ class _PoolOp(OpSpec):
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         th, tw = self.tile(config)
         if p.layout == "nchw" and vec != 1:
-            if self.backward:
+            if self.backward and not self.x_footprint(p, config):
                 return Support.no(f"vec_bytes={vb}: the NCHW backward reads single {p.dtype} elements "
-                                  f"(vec_bytes={item}); vectors run along C in NHWC")
+                                  f"(vec_bytes={item}) except for indices=None with a stride-aligned gather "
+                                  "(x rows as vectors); vectors run along C in NHWC")
+            if self.backward and tw % vec:
+                return Support.no(f"vec_bytes={vb}: a vector of {vec} elements does not divide tw={tw}")
             if p.W % vec:
                 return Support.no(f"vec_bytes={vb}: a vector of {vec} elements along W does not divide W={p.W}")
-            if (tw * p.stride[1]) % vec:
+            if not self.backward and (tw * p.stride[1]) % vec:
                 return Support.no(f"vec_bytes={vb}: a thread's input span tw*stride={tw * p.stride[1]} is not "
                                   f"a whole number of {vec}-element vectors")
         if p.layout == "nhwc" and p.C % vec:
@@ -502,8 +516,9 @@ class _PoolOp(OpSpec):
         geo += "_ceil" if p.ceil_mode else ""
         c = config
         br = c.as_dict().get("block_rows", 1)
+        ld = "_ldc" if c.as_dict().get("loads", "nc") == "coherent" else ""
         return (f"ckgen_{self.name}_{p.dtype}_{p.layout}_{geo}{self._name_flags(p)}_t{c['threads']}"
-                f"_v{c['vec_bytes']}_ow{c['tw']}_oh{c['th']}{f'_br{br}' if br > 1 else ''}"
+                f"_v{c['vec_bytes']}_ow{c['tw']}_oh{c['th']}{f'_br{br}' if br > 1 else ''}{ld}"
                 f"_m{c['min_blocks']}{self._name_algo(c)}")
 
     def _name_flags(self, p: PoolProblem) -> str:
@@ -517,7 +532,8 @@ class _PoolOp(OpSpec):
         (kh, kw), (sh, sw), (ph, pw), (dh, dw) = p.kernel, p.stride, p.padding, p.dilation
         ctx = dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, storage=d["storage"],
                    itemsize=d["itemsize"], vec=self.vec_elems(p, config), rvec=self.row_vec_elems(p, config),
-                   pool=self.pool, aligned=False, block_rows=config.as_dict().get("block_rows", 1),
+                   pool=self.pool, aligned=False, xfoot=False, block_rows=config.as_dict().get("block_rows", 1),
+                   loads=config.as_dict().get("loads", "nc"),
                    kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, overlap=p.overlap,
                    return_indices=False, indices="none", count_include_pad=True, divisor_override=0)
         ctx.update(self._context_flags(p))
@@ -588,6 +604,13 @@ class MaxPool2dFwd(_PoolOp):
 
     def _name_flags(self, p: MaxPoolFwdProblem) -> str:
         return "_idx" if p.return_indices else ""
+
+    def _validate_more(self, p: MaxPoolFwdProblem, config: Config, target: Target) -> Support:
+        if config.as_dict().get("loads", "nc") == "coherent" and not (
+                target.vendor == "cuda" and p.layout == "nhwc" and not p.return_indices and config["vec_bytes"] == 16):
+            return Support.no("loads=coherent applies to CUDA NHWC max pooling without indices with "
+                              "16-byte vectors only")
+        return Support.yes()
 
     def _context_flags(self, p: MaxPoolFwdProblem) -> dict[str, Any]:
         return {"return_indices": p.return_indices}
@@ -704,7 +727,10 @@ class _PoolBwd(_PoolOp):
         vec = self.vec_elems(p, config)
         if self.aligned_gather(p, config):
             (_, na), (_, nb) = _cover_span(self._cover(p, config, 0)), _cover_span(self._cover(p, config, 1))
-            return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32
+            xfoot = 0
+            if self.x_footprint(p, config):
+                xfoot = ((na - 1) * p.stride[0] + p.eff_kernel[0]) * ((nb - 1) * p.stride[1] + p.eff_kernel[1])
+            return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32 + xfoot
         return th * tw * vec + 4 * vec + 32
 
     def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
@@ -734,7 +760,8 @@ class _PoolBwd(_PoolOp):
         if self.aligned_gather(p, config):
             ch, cw = self._cover(p, config, 0), self._cover(p, config, 1)
             (h0, hn), (w0, wn) = _cover_span(ch), _cover_span(cw)
-            ctx.update(aligned=True, cover_h=ch, cover_w=cw, cover_h0=h0, cover_hn=hn, cover_w0=w0, cover_wn=wn)
+            ctx.update(aligned=True, cover_h=ch, cover_w=cw, cover_h0=h0, cover_hn=hn, cover_w0=w0, cover_wn=wn,
+                       xfoot=self.x_footprint(p, config))
         return ctx
 
     def output_buffers(self, p: PoolProblem) -> dict[str, tuple[int, Any]]:

@@ -71,6 +71,8 @@ def _configs(op, p, target, n=CONFIGS):
     if op.backward:
         picked += [c for c in valid if c["algo"] == "scatter"][:1]
         fast = [c for c in valid if op.aligned_gather(p, c) and c not in picked]
+        xf = [c for c in fast if op.x_footprint(p, c) and op.row_vec_elems(p, c) > 1]
+        fast = xf or fast  # indices=None NCHW: the x-footprint path with row vectors
     else:
         fast = [c for c in valid if c["vec_bytes"] >= 8 and c["tw"] >= 2 and c not in picked]
     picked += rng.sample(fast, min(1, len(fast)))

@@ -516,9 +516,8 @@ class _PoolOp(OpSpec):
         geo += "_ceil" if p.ceil_mode else ""
         c = config
         br = c.as_dict().get("block_rows", 1)
-        ld = "_ldc" if c.as_dict().get("loads", "nc") == "coherent" else ""
         return (f"ckgen_{self.name}_{p.dtype}_{p.layout}_{geo}{self._name_flags(p)}_t{c['threads']}"
-                f"_v{c['vec_bytes']}_ow{c['tw']}_oh{c['th']}{f'_br{br}' if br > 1 else ''}{ld}"
+                f"_v{c['vec_bytes']}_ow{c['tw']}_oh{c['th']}{f'_br{br}' if br > 1 else ''}"
                 f"_m{c['min_blocks']}{self._name_algo(c)}")
 
     def _name_flags(self, p: PoolProblem) -> str:
@@ -533,7 +532,6 @@ class _PoolOp(OpSpec):
         ctx = dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, storage=d["storage"],
                    itemsize=d["itemsize"], vec=self.vec_elems(p, config), rvec=self.row_vec_elems(p, config),
                    pool=self.pool, aligned=False, xfoot=False, block_rows=config.as_dict().get("block_rows", 1),
-                   loads=config.as_dict().get("loads", "nc"),
                    kh=kh, kw=kw, sh=sh, sw=sw, ph=ph, pw=pw, dh=dh, dw=dw, overlap=p.overlap,
                    return_indices=False, indices="none", count_include_pad=True, divisor_override=0)
         ctx.update(self._context_flags(p))
@@ -604,13 +602,6 @@ class MaxPool2dFwd(_PoolOp):
 
     def _name_flags(self, p: MaxPoolFwdProblem) -> str:
         return "_idx" if p.return_indices else ""
-
-    def _validate_more(self, p: MaxPoolFwdProblem, config: Config, target: Target) -> Support:
-        if config.as_dict().get("loads", "nc") == "coherent" and not (
-                target.vendor == "cuda" and p.layout == "nhwc" and not p.return_indices and config["vec_bytes"] == 16):
-            return Support.no("loads=coherent applies to CUDA NHWC max pooling without indices with "
-                              "16-byte vectors only")
-        return Support.yes()
 
     def _context_flags(self, p: MaxPoolFwdProblem) -> dict[str, Any]:
         return {"return_indices": p.return_indices}

@@ -450,6 +450,12 @@ class _PoolOp(OpSpec):
     def _regs_needed(self, p: PoolProblem, config: Config) -> int:
         raise NotImplementedError
 
+    def _row_regs(self, p: PoolProblem, config: Config) -> int:
+        """Forward: registers of one loaded footprint row (NCHW) or input vector (NHWC)."""
+        if p.layout == "nchw":
+            return (self.tile(config)[1] - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1]
+        return 2 * self.vec_elems(p, config)
+
     def validate(self, p: PoolProblem, config: Config, target: Target) -> Support:
         in_space = self.space.check(config)
         if not in_space:
@@ -609,7 +615,7 @@ class MaxPool2dFwd(_PoolOp):
     def _regs_needed(self, p: MaxPoolFwdProblem, config: Config) -> int:
         th, tw = self.tile(config)
         vec = self.vec_elems(p, config)
-        row = (tw - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1] if p.layout == "nchw" else 2 * vec
+        row = self._row_regs(p, config)
         return th * tw * vec * (2 if p.return_indices else 1) + row + 24
 
     def min_bytes(self, p: MaxPoolFwdProblem) -> int:
@@ -667,7 +673,7 @@ class AvgPool2dFwd(_PoolOp):
     def _regs_needed(self, p: AvgPoolProblem, config: Config) -> int:
         th, tw = self.tile(config)
         vec = self.vec_elems(p, config)
-        row = (tw - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1] if p.layout == "nchw" else 2 * vec
+        row = self._row_regs(p, config)
         return th * tw * vec + row + 24
 
     def min_bytes(self, p: AvgPoolProblem) -> int:

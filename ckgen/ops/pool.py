@@ -399,10 +399,15 @@ class _PoolOp(OpSpec):
         if not (self.backward and self.pool == "max" and getattr(p, "indices", "") == "recompute"
                 and p.layout == "nchw" and self.aligned_gather(p, config)):
             return False
-        (_, nb), ob0 = _cover_span(self._cover(p, config, 1)), _cover_span(self._cover(p, config, 1))[0]
-        xc = (nb - 1) * p.stride[1] + p.eff_kernel[1]
-        pre = p.padding[1] - ob0 * p.stride[1]
-        return pre >= 0 and pre + self.tile(config)[1] <= xc
+        ob0 = _cover_span(self._cover(p, config, 1))[0]
+        pre = p.padding[1] - ob0 * p.stride[1]  # the tile's first column in the footprint
+        return pre >= 0 and pre + self.tile(config)[1] <= self._x_footprint_dims(p, config)[1]
+
+    def _x_footprint_dims(self, p: PoolProblem, config: Config) -> tuple[int, int]:
+        """(rows, columns) of x under the windows of an aligned gather tile's covering outputs
+        (the template's XR x XC)."""
+        (_, na), (_, nb) = _cover_span(self._cover(p, config, 0)), _cover_span(self._cover(p, config, 1))
+        return (na - 1) * p.stride[0] + p.eff_kernel[0], (nb - 1) * p.stride[1] + p.eff_kernel[1]
 
     def aligned_gather(self, p: PoolProblem, config: Config) -> bool:
         """Backward gather with a tile that starts at multiples of the stride: which outputs cover
@@ -410,6 +415,14 @@ class _PoolOp(OpSpec):
         th, tw = self.tile(config)
         return self.backward and config.as_dict().get("algo") == "gather" and \
             tw % p.stride[1] == 0 and th % p.stride[0] == 0
+
+    def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
+        """Aligned gather, per tile position t along `axis` (0: H, 1: W): the outputs whose
+        windows cover it, as offsets from tile_start / stride, ascending (PyTorch's order)."""
+        t_n = self.tile(config)[axis]
+        k, s, pad, d = p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis]
+        return [sorted({(t + pad - i * d) // s for i in range(k) if (t + pad - i * d) % s == 0})
+                for t in range(t_n)]
 
     def tile(self, config: Config) -> tuple[int, int]:
         """(rows, cols) of the positions one thread computes: outputs (forward) or inputs (gather)."""
@@ -724,19 +737,9 @@ class _PoolBwd(_PoolOp):
         vec = self.vec_elems(p, config)
         if self.aligned_gather(p, config):
             (_, na), (_, nb) = _cover_span(self._cover(p, config, 0)), _cover_span(self._cover(p, config, 1))
-            xfoot = 0
-            if self.x_footprint(p, config):
-                xfoot = ((na - 1) * p.stride[0] + p.eff_kernel[0]) * ((nb - 1) * p.stride[1] + p.eff_kernel[1])
+            xfoot = math.prod(self._x_footprint_dims(p, config)) if self.x_footprint(p, config) else 0
             return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32 + xfoot
         return th * tw * vec + 4 * vec + 32
-
-    def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
-        """Aligned gather, per tile position t along `axis` (0: H, 1: W): the outputs whose
-        windows cover it, as offsets from tile_start / stride, ascending (PyTorch's order)."""
-        t_n = self.tile(config)[axis]
-        k, s, pad, d = p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis]
-        return [sorted({(t + pad - i * d) // s for i in range(k) if (t + pad - i * d) % s == 0})
-                for t in range(t_n)]
 
     def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         main = super().launches(p, config, target)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .dispatch import explain, groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
-from .pool_api import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
+from .api.groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
+from .api.pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
+from .dispatch import explain
 from .tensors import bfloat16
 
 
 def reload_db() -> None:
-    """Forget the loaded instance DBs and cached choices (after tuning in this process)."""
+    """Forget the loaded instance DBs, cached choices and launch plans (a DB written by this
+    process does this by itself; call it after another process wrote the DB)."""
     from .dispatch import dispatcher
 
     dispatcher().reload()

@@ -1,5 +1,13 @@
-"""Timing like deployment: device events, warm-up, L2 flushed before every run, median and
-spread; and the copy that defines copy-equivalent efficiency, timed the same way."""
+"""Timing: device events, warm-up, median and spread; two views of one call.
+
+- `Timer.time`: GPU time. L2 is flushed before every timed run, and the flush (a long kernel)
+  lets the host run ahead, so host overhead is hidden: this is the kernels' own time.
+- `Timer.back_to_back`: host-inclusive time per call, as a model's loop (and
+  `triton.testing.do_bench` without its flush) sees it: many calls in a row, no flush, time
+  between the first call's start and the last one's end on the stream, divided by the calls.
+  When the host is slower than the GPU, this is the host's time per call.
+
+Plus the copy that defines copy-equivalent efficiency, timed like `Timer.time`."""
 from __future__ import annotations
 
 import statistics
@@ -46,6 +54,29 @@ class Timer:
         ts = sorted(cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in events)
         q = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
         return Timing(statistics.median(ts), q[0], q[-1], n)
+
+    def back_to_back(self, fn: Callable[[], object], gpu_us: float | None = None, rounds: int = 7,
+                     target_us: float = 20000.0) -> Timing:
+        """Host-inclusive time per call: `rounds` rounds of n back-to-back calls (n from
+        `gpu_us`, the GPU time if known, to make each round ~target_us; 10..2000), each round's
+        event-to-event time / n; median and spread over the rounds."""
+        cp = self._cupy
+        for _ in range(self.warmup):
+            fn()
+        n = int(min(2000, max(10, target_us / max(gpu_us or 5.0, 1.0))))
+        per = []
+        for _ in range(rounds):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            cp.cuda.get_current_stream().synchronize()
+            a.record()
+            for _ in range(n):
+                fn()
+            b.record()
+            b.synchronize()
+            per.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / n)
+        per.sort()
+        q = statistics.quantiles(per, n=10) if len(per) >= 2 else [per[0]] * 9
+        return Timing(statistics.median(per), q[0], q[-1], rounds)
 
     def copy_time(self, total_bytes: int) -> Timing:
         """A device-to-device copy moving `total_bytes` (half read, half written)."""

@@ -412,6 +412,20 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+_listeners: list[Callable[[], None]] = []
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call `fn` after every write of a DB file by this process (the dispatcher forgets its
+    cached choices and launch plans then)."""
+    _listeners.append(fn)
+
+
+def _changed() -> None:
+    for fn in _listeners:
+        fn()
+
+
 def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
     """Merge `new` into the DB file at `path` under its lock and write it atomically.
 
@@ -428,6 +442,7 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
         on_disk = _load(path, contents)
         merged = InstanceDB(tuple(_merge(on_disk.entries, new)), path, on_disk.skipped)
         _write_atomic(path, _dump(merged.entries, contents.malformed))
+    _changed()
     return merged
 
 
@@ -444,6 +459,8 @@ def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
         removed = len(on_disk.entries) - len(kept)
         if removed:
             _write_atomic(path, _dump(kept, contents.malformed))
+    if removed:
+        _changed()
     return removed
 
 

@@ -1,20 +1,30 @@
-"""Arrays -> Problem -> DB winner or fallback -> compiled kernel -> launch.
+"""Selection and launch: a problem -> DB winner or fallback -> compiled kernels -> a launch plan.
 
-Never tunes implicitly. On a DB miss it falls back to the nearest tuned problem whose config
-is valid here, else to the space's default (or the valid config nearest to it), and says so
-once per problem through the `ckgen` logger."""
+Selection never tunes implicitly. On a DB miss it falls back to the nearest tuned problem whose
+config is valid here, else to the space's default (or the valid config nearest to it), and says
+so once per problem through the `ckgen` logger.
+
+Launch goes through a `Plan`, built once per (op, problem, device, pointer alignment class,
+framework): the choice, the loaded kernels, their grids, the kernel-argument buffer with the
+problem's scalars already in it, the output allocators and the workspace size. A call of a
+known signature then does only: allocate outputs -> write the pointers into the argument
+buffer -> cuLaunchKernel per kernel, on torch's current stream for torch inputs (CuPy's for
+CuPy arrays). Workspaces come from the caller's allocator (torch's caching allocator, CuPy's
+pool), so calls can be captured in CUDA graphs. The public op modules (`ckgen.api.*`) map a
+call's arguments to a plan: `api.callkeys` caches signature -> plan."""
 from __future__ import annotations
 
 import logging
+import operator
+import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from . import db as dbmod
 from . import settings
 from .codegen import KernelSource
 from .instance import render_instance
-from .ops import get_op
 from .ops.spec import Config, OpSpec, Problem, Target
 
 log = logging.getLogger("ckgen")
@@ -40,6 +50,10 @@ class Dispatcher:
         self._db: dbmod.InstanceDB | None = None
         self._choices: dict[tuple[str, str, str, int], tuple[Choice, KernelSource]] = {}
         self._told: set[tuple[str, str]] = set()
+        self.plans: dict[tuple, Plan] = {}
+        #: call signature -> plan (filled by the public op modules); cleared with the plans
+        self.calls: dict[tuple, Plan] = {}
+        self._forget: list[Callable[[], None]] = []
 
     # ---- the DB view: user DB over shipped DB, stale entries dropped per entry ----
     def database(self) -> dbmod.InstanceDB:
@@ -49,10 +63,13 @@ class Dispatcher:
             return self._db
 
     def reload(self) -> None:
+        """Forget the loaded DBs, the choices and every launch plan (the next call re-selects)."""
         with self._lock:
             self._db = None
             self._choices.clear()
             self._told.clear()
+            self.plans.clear()
+            self.calls.clear()
 
     # ---- selection ----
     def choose(self, op: OpSpec, problem: Problem, target: Target, max_vec_bytes: int = 16) -> tuple[Choice, KernelSource]:
@@ -107,6 +124,7 @@ class Dispatcher:
 
 
 _dispatcher = Dispatcher()
+dbmod.on_change(_dispatcher.reload)  # `ckgen tune` writing the DB in this process: re-select
 
 
 def dispatcher() -> Dispatcher:
@@ -114,184 +132,196 @@ def dispatcher() -> Dispatcher:
 
 
 # ---------------------------------------------------------------------------------------------
-# Public ops
+# Launch plans
 # ---------------------------------------------------------------------------------------------
-def _groupnorm_problem(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any, activation: Any,
-                       op_name: str = "groupnorm_fwd"):
-    """Checks shared by every GroupNorm op (eps=None: the op takes none) -> op, problem, x, gamma, beta."""
-    from .tensors import as_device_tensor, check_vector, layout_of
-
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"groups: expected a positive int, got {groups!r}")
-    if eps is not None and (not isinstance(eps, (int, float)) or not (eps >= 0) or eps == float("inf")):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
-    if activation not in (None, "none", "swish"):
-        raise ValueError(f"activation: expected None or 'swish', got {activation!r}")
-    xt = as_device_tensor(x, "x")
-    layout = layout_of(xt, "x")
-    N, C, H, W = xt.shape
-    if C % groups:
-        raise ValueError(f"groups: C={C} is not divisible by groups={groups}")
-    gt = as_device_tensor(gamma, "gamma") if gamma is not None else None
-    bt = as_device_tensor(beta, "beta") if beta is not None else None
-    check_vector(gt, "gamma", C, xt.dtype, xt.device)
-    check_vector(bt, "beta", C, xt.dtype, xt.device)
-    op = get_op(op_name)
-    problem = op.parse_problem(N=N, C=C, H=H, W=W, G=groups, dtype=xt.dtype, layout=layout,
-                               activation=activation or "none")
-    return op, problem, xt, gt, bt
+_LAUNCH_LOCK = threading.Lock()  # one argument buffer per plan: fill and launch under the lock
+_SLOT = 8  # bytes per kernel argument slot (pointers; int32/float32 use the low 4 bytes)
+_graph_keep: list[Any] = []  # CuPy workspaces of captured launches: the graph replays into them
 
 
-def launch(op: OpSpec, problem: Problem, like: Any, ptrs: dict[str, int], eps: float = 0.0,
-           vector_args: tuple[str, ...] | None = None) -> Choice:
-    """Pick the instance for `problem` on `like`'s device and run every launch of it on the
-    current stream of `like` (a DeviceTensor), with a workspace if the config needs one.
-    `ptrs` maps the op's buffer names to device pointers; the alignment of those the kernels
-    access with vectors (`vector_args`, default all) bounds the vector width."""
-    import cupy
+@dataclass(frozen=True)
+class Output:
+    """An output buffer a plan allocates per call: logical shape, memory layout, dtype."""
 
-    from .compile import load_kernel
-    from .target import device_info
-    from .tensors import alignment, data_ptr, empty_f32, stream_for
-
-    with cupy.cuda.Device(like.device):
-        target = device_info(like.device).target
-        vec_ptrs = [v for k, v in ptrs.items() if vector_args is None or k in vector_args]
-        choice, src = _dispatcher.choose(op, problem, target, alignment(*vec_ptrs))
-        launches = op.launches(problem, choice.config, target)
-        kernels = [load_kernel(src, target, l.kernel) for l in launches]
-        ws_bytes = op.workspace_bytes(problem, choice.config)
-        ptrs = dict(ptrs)
-        if ws_bytes:
-            ws = empty_f32(like, ((ws_bytes + 3) // 4,))
-            ptrs["ws"] = data_ptr(ws)
-        args = op.kernel_args(problem, ptrs, float(eps))
-        with stream_for(like):
-            for kernel, l in zip(kernels, launches):
-                kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
-    return choice
+    name: str
+    shape: tuple[int, ...]
+    layout: str  # "nchw" | "nhwc" | "flat"
+    dtype: str  # "fp32" | "fp16" | "bf16" | "int64"
 
 
-def groupnorm_fwd(x: Any, gamma: Any, beta: Any, groups: int, eps: float = 1e-5,
-                  activation: str | None = None) -> tuple[Any, Any, Any]:
-    """y, mean, rstd = GroupNorm(x) (then swish if activation='swish'); mean/rstd fp32 (N, G).
-    Same semantics as torch.nn.functional.group_norm; y keeps x's memory layout."""
-    import cupy
+class Plan:
+    """One problem's launch on one device, computed once (see the module doc)."""
 
-    from .tensors import data_ptr, empty_f32, empty_like_layout
+    __slots__ = ("choice", "device", "_steps", "_kernels", "_allocs", "_ws", "_order", "_pack", "_buf",
+                 "_kargs", "_eps_at", "_stream", "_cupy_ws", "_out_names")
 
-    op, problem, xt, gt, bt = _groupnorm_problem(x, gamma, beta, groups, eps, activation)
-    with cupy.cuda.Device(xt.device):
-        y = empty_like_layout(xt, xt.shape, problem.layout)
-        mean = empty_f32(xt, (problem.N, problem.G))
-        rstd = empty_f32(xt, (problem.N, problem.G))
-    ptrs = {"x": xt.ptr, "y": data_ptr(y), "mean": data_ptr(mean), "rstd": data_ptr(rstd)}
-    if gt is not None:
-        ptrs["gamma"] = gt.ptr
-    if bt is not None:
-        ptrs["beta"] = bt.ptr
-    launch(op, problem, xt, ptrs, eps, vector_args=("x", "y", "gamma", "beta"))
-    return y, mean, rstd
+    def __init__(self, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str], outputs: Sequence[Output],
+                 vector_ptrs: Sequence[int]) -> None:
+        import numpy as np
 
+        from .compile import load_kernel
+        from .target import device_info
+        from .tensors import alignment, allocator, current_stream_fn, workspace_allocator
 
-def _groupnorm_bwd_problem(op_name: str, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, beta: Any,
-                           groups: Any, activation: Any):
-    from .tensors import as_device_tensor, check_like
+        self.device = like.device
+        with _on_device(self.device):
+            target = device_info(self.device).target
+            self.choice, src = _dispatcher.choose(op, problem, target, alignment(*vector_ptrs))
+            config = self.choice.config
+            launches = op.launches(problem, config, target)
+            self._kernels = [load_kernel(src, target, l.kernel).kernel for l in launches]  # cupy Functions
+        self._steps = tuple((k.ptr, *l.grid, *l.block, l.shared_mem) for k, l in zip(self._kernels, launches))
+        ws_bytes = op.workspace_bytes(problem, config)
+        self._allocs = tuple(allocator(like, o.shape, o.layout, o.dtype) for o in outputs)
+        self._out_names = tuple(o.name for o in outputs)
+        self._ws = workspace_allocator(like, ws_bytes) if ws_bytes else None
+        self._cupy_ws = bool(ws_bytes) and like.kind != "torch"
+        self._stream = current_stream_fn(like)
+        # Pointer slots in the kernels' order, as indices into (inputs..., outputs..., ws, 0).
+        names = (*inputs, *(o.name for o in outputs), "ws")
+        zero = len(names)
+        order = tuple(names.index(n) if n in names else zero for n in op.arg_names)
+        self._order = operator.itemgetter(*order)
+        nptr = len(op.arg_names)
+        self._pack = struct.Struct(f"<{nptr}Q").pack_into
+        # The argument buffer: one 8-byte slot per argument; the scalars written once, here.
+        scalars = op.scalar_args(problem)
+        nslots = nptr + len(scalars) + (1 if op.takes_eps else 0)
+        self._buf = np.zeros(nslots, dtype=np.uint64)
+        raw = self._buf.view(np.uint8)
+        for i, v in enumerate(scalars):
+            b = np.asarray(v).tobytes()
+            raw[(nptr + i) * _SLOT:(nptr + i) * _SLOT + len(b)] = np.frombuffer(b, np.uint8)
+        self._eps_at = (nptr + len(scalars)) * _SLOT if op.takes_eps else -1
+        base = self._buf.ctypes.data
+        kargs = np.array([base + i * _SLOT for i in range(nslots)], dtype=np.uint64)
+        self._kargs = (kargs, int(kargs.ctypes.data))
 
-    op, problem, xt, gt, bt = _groupnorm_problem(x, gamma, beta, groups, None, activation, op_name)
-    dyt = as_device_tensor(dy, "dy")
-    check_like(dyt, "dy", xt.shape, xt, problem.layout)
-    N, G = problem.N, problem.G
-    stats = []
-    for arg, t in (("mean", mean), ("rstd", rstd)):
-        st = as_device_tensor(t, arg)
-        if st.dtype != "fp32":
-            raise TypeError(f"{arg}: expected float32 (as groupnorm_fwd returns it), got {st.dtype}")
-        if st.shape not in ((N, G), (N * G,)):
-            raise ValueError(f"{arg}: expected shape ({N}, {G}), got {st.shape}")
-        if st.strides not in ((G, 1), (1,)) and N * G > 1:
-            raise ValueError(f"{arg}: must be contiguous, got strides {st.strides}")
-        if st.device != xt.device:
-            raise ValueError(f"{arg}: on device {st.device} but x is on device {xt.device}")
-        stats.append(st)
-    ptrs = {"x": xt.ptr, "dy": dyt.ptr, "mean": stats[0].ptr, "rstd": stats[1].ptr}
-    ptrs.update({k: t.ptr for k, t in (("gamma", gt), ("beta", bt)) if t is not None})
-    return op, problem, xt, ptrs
+    def run(self, ins: tuple, eps: float = 0.0) -> list[Any]:
+        """Allocate the outputs, launch every kernel on the current stream; returns the outputs."""
+        from cupy.cuda import runtime
 
+        if runtime.getDevice() != self.device:
+            with _on_device(self.device):
+                return self.run(ins, eps)
+        objs = []
+        ptrs = list(ins)
+        for a in self._allocs:
+            o, p = a()
+            objs.append(o)
+            ptrs.append(p)
+        ws = None
+        if self._ws is not None:
+            ws, p = self._ws()
+            ptrs.append(p)
+        else:
+            ptrs.append(0)
+        ptrs.append(0)
+        stream = self._stream()
+        _launch(self, self._order(ptrs), eps, stream)
+        if self._cupy_ws and runtime.streamIsCapturing(stream):
+            _graph_keep.append(ws)  # the captured graph writes into it at every replay
+        return objs
 
-def _groupnorm_bwd_run(op_name: str, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, beta: Any,
-                       groups: Any, activation: Any) -> dict[str, Any]:
-    import cupy
-
-    from .tensors import data_ptr, empty_like_layout, empty_vector
-
-    op, problem, xt, ptrs = _groupnorm_bwd_problem(op_name, dy, x, mean, rstd, gamma, beta, groups, activation)
-    out: dict[str, Any] = {}
-    with cupy.cuda.Device(xt.device):
-        if "dx" in op.outputs:
-            out["dx"] = empty_like_layout(xt, xt.shape, problem.layout)
-        for k in ("dgamma", "dbeta"):
-            if k in op.outputs:
-                out[k] = empty_vector(xt, problem.C)
-    launch(op, problem, xt, {**ptrs, **{k: data_ptr(v) for k, v in out.items()}},
-           vector_args=("x", "dy", "dx", "gamma", "beta"))
-    return out
-
-
-def groupnorm_bwd(dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, groups: int, beta: Any = None,
-                  activation: str | None = None) -> tuple[Any, Any, Any]:
-    """dx, dgamma, dbeta of groupnorm_fwd (and swish, recomputed from x, mean, rstd, gamma, beta)
-    given the upstream gradient dy and the forward's mean/rstd. dgamma/dbeta are deterministic
-    (fixed-order sums, no atomics) and have x's dtype; dx keeps x's layout."""
-    o = _groupnorm_bwd_run("groupnorm_bwd", dy, x, mean, rstd, gamma, beta, groups, activation)
-    return o["dx"], o["dgamma"], o["dbeta"]
-
-
-def groupnorm_bwd_data(dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, groups: int, beta: Any = None,
-                       activation: str | None = None) -> Any:
-    """dx of groupnorm_fwd alone (see groupnorm_bwd)."""
-    return _groupnorm_bwd_run("groupnorm_bwd_data", dy, x, mean, rstd, gamma, beta, groups, activation)["dx"]
+    def __repr__(self) -> str:
+        return f"Plan({self.choice.instance}, device {self.device}, {len(self._steps)} launch(es))"
 
 
-def groupnorm_bwd_gamma_beta(dy: Any, x: Any, mean: Any, rstd: Any, groups: int, gamma: Any = None,
-                             beta: Any = None, activation: str | None = None) -> tuple[Any, Any]:
-    """dgamma, dbeta of groupnorm_fwd alone (see groupnorm_bwd); gamma/beta are needed only for swish."""
-    o = _groupnorm_bwd_run("groupnorm_bwd_gamma_beta", dy, x, mean, rstd, gamma, beta, groups, activation)
-    return o["dgamma"], o["dbeta"]
+def _launch(plan: Plan, ptrs: tuple, eps: float, stream: int) -> None:
+    from cupy.cuda import driver
+
+    buf, kargs = plan._buf, plan._kargs[1]
+    with _LAUNCH_LOCK:
+        plan._pack(buf, 0, *ptrs)
+        if plan._eps_at >= 0:
+            struct.pack_into("<f", buf, plan._eps_at, eps)
+        try:
+            for f, gx, gy, gz, bx, by, bz, smem in plan._steps:
+                driver.launchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
+        except driver.CUDADriverError as e:
+            if "CONTEXT" not in str(e):
+                raise
+            # A thread that never used CUDA: bind the device's primary context, launch again.
+            # (Only the first kernel can have failed this way.)
+            from cupy.cuda import runtime
+
+            runtime.memGetInfo()
+            for f, gx, gy, gz, bx, by, bz, smem in plan._steps:
+                driver.launchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
+
+
+class _on_device:
+    """Make `device` current for the block (and restore the previous one) if it is not."""
+
+    __slots__ = ("device", "prev")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.prev = -1
+
+    def __enter__(self) -> None:
+        from cupy.cuda import runtime
+
+        cur = runtime.getDevice()
+        if cur != self.device:
+            self.prev = cur
+            runtime.setDevice(self.device)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.prev >= 0:
+            from cupy.cuda import runtime
+
+            runtime.setDevice(self.prev)
+
+
+def plan_for(op: OpSpec, problem: Problem, like: Any, inputs: dict[str, int], outputs: Sequence[Output],
+             vector_args: Sequence[str]) -> Plan:
+    """The plan of `problem` for tensors like `like` (a checked DeviceTensor), built on first use.
+    `inputs` maps the op's input buffer names to this call's pointers (in the order the op's
+    public function passes them to Plan.run); `vector_args` names those whose alignment bounds
+    the vector width (outputs are always allocated 256-byte aligned)."""
+    from .tensors import ALIGN
+
+    align = 0
+    for name in vector_args:
+        align |= inputs.get(name, 0)
+    key = (op.name, problem, like.device, ALIGN[align & 15], like.kind, like.dtype)
+    plan = _dispatcher.plans.get(key)
+    if plan is None:
+        plan = Plan(op, problem, like, tuple(inputs), outputs,
+                    [v for k, v in inputs.items() if k in vector_args])
+        _dispatcher.plans[key] = plan
+    return plan
+
+
+def remember(call_key: tuple | None, plan: Plan) -> None:
+    """Cache a call signature's plan (bounded: a flood of distinct shapes starts it afresh)."""
+    if call_key is None:
+        return
+    calls = _dispatcher.calls
+    if len(calls) >= 4096:
+        calls.clear()
+    calls[call_key] = plan
 
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
     """Which instance would this call use, and why? With the call's arguments, e.g.
-    `explain("groupnorm_fwd", x, gamma, beta, 32)` or `explain("groupnorm_bwd", dy, x, mean, rstd,
-    gamma, 32)`, or with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
-    layout="nhwc", arch="sm_90")`. Launches nothing."""
+    `explain("groupnorm_fwd", x, gamma, beta, 32)`, `explain("maxpool2d_fwd", x, 3, 2, 1)`, or
+    with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
+    layout="nhwc", arch="sm_90")`. Launches nothing (the plan it builds serves the next call)."""
+    from .ops import get_op
+
     op = get_op(op_name)
     if args:
-        from .target import device_info
-        from .tensors import alignment
+        from .api import planners
 
-        if op_name == "groupnorm_fwd":
-            names: tuple[str, ...] = ("x", "gamma", "beta", "groups", "eps", "activation")
-            call = {"eps": 1e-5, "activation": None, **dict(zip(names, args)), **kwargs}
-            op, problem, xt, gt, bt = _groupnorm_problem(**{k: call.get(k) for k in names})
-            vec = alignment(xt.ptr, *(t.ptr for t in (gt, bt) if t is not None))
-        elif op_name in ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta"):
-            names = ("dy", "x", "mean", "rstd", "gamma", "groups", "beta", "activation")
-            if op_name == "groupnorm_bwd_gamma_beta":
-                names = ("dy", "x", "mean", "rstd", "groups", "gamma", "beta", "activation")
-            call = {"gamma": None, "beta": None, "activation": None, **dict(zip(names, args)), **kwargs}
-            op, problem, xt, ptrs = _groupnorm_bwd_problem(op_name, **{k: call.get(k) for k in names})
-            vec = alignment(*(v for k, v in ptrs.items() if k not in ("mean", "rstd")))
-        else:
-            raise ValueError(f"op: explain with tensors is implemented for the GroupNorm ops, not {op_name}")
-        return _dispatcher.choose(op, problem, device_info(xt.device).target, vec)[0]
+        return planners[op_name](*args, **kwargs)[0].choice
+    arch = kwargs.pop("arch", None)
+    if arch is None:
+        from .target import current_target
+
+        target = current_target()
     else:
-        arch = kwargs.pop("arch", None)
-        if arch is None:
-            from .target import current_target
-
-            target = current_target()
-        else:
-            target = Target.named(arch)
-        problem = op.parse_problem(**kwargs)
+        target = Target.named(arch)
+    problem = op.parse_problem(**kwargs)
     return _dispatcher.choose(op, problem, target)[0]

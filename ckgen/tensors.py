@@ -3,9 +3,10 @@ that name the argument and the fix. NumPy and CuPy have no bfloat16: wrap a uint
 array with `ckgen.bfloat16(a)` or pass a torch tensor."""
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 _TORCH_DTYPES = {"torch.float32": "fp32", "torch.float16": "fp16", "torch.bfloat16": "bf16"}
 _NP_DTYPES = {"float32": "fp32", "float16": "fp16"}
@@ -134,69 +135,148 @@ def alignment(*ptrs: int) -> int:
     return a
 
 
-def empty_like_layout(ref: DeviceTensor, shape: tuple[int, int, int, int], layout: str) -> Any:
-    """A new tensor of logical shape `shape` in `layout`, same framework/dtype/device as `ref`."""
-    N, C, H, W = shape
+_STORAGE = {"fp32": "float32", "fp16": "float16", "bf16": "uint16", "int64": "int64"}
+_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "int64": 8}
+
+
+def _strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """Element strides of a new `shape` tensor in `layout` ('nchw', 'nhwc' or 'flat')."""
+    if layout == "nhwc":
+        N, C, H, W = shape
+        return (H * W * C, 1, W * C, C)
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def allocator(ref: DeviceTensor, shape: tuple[int, ...], layout: str, dtype: str) -> Callable[[], tuple[Any, int]]:
+    """A function returning (a new tensor, its device pointer) of logical `shape` in `layout`
+    and `dtype` ('fp32', 'fp16', 'bf16' or 'int64', the storage of 'bf16' for bf16 outputs),
+    on `ref`'s device and framework (a torch tensor, a CuPy array, or ckgen.bfloat16)."""
+    shape = tuple(int(n) for n in shape)
+    strides = _strides(shape, layout)
     if ref.kind == "torch":
         import torch
 
-        fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
-        return torch.empty(shape, dtype=ref.obj.dtype, device=ref.obj.device, memory_format=fmt)
+        tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int64": torch.int64}[dtype]
+        dev = ref.obj.device
+        empty = torch.empty_strided
+
+        def torch_alloc() -> tuple[Any, int]:
+            t = empty(shape, strides, dtype=tdt, device=dev)
+            return t, t.data_ptr()
+
+        return torch_alloc
     import cupy
 
-    with cupy.cuda.Device(ref.device):
-        np_dtype = {"fp32": "float32", "fp16": "float16", "bf16": "uint16"}[ref.dtype]
-        a = cupy.empty((N, H, W, C), np_dtype).transpose(0, 3, 1, 2) if layout == "nhwc" \
-            else cupy.empty(shape, np_dtype)
-    return bfloat16(a) if ref.dtype == "bf16" else a
+    npdt = cupy.dtype(_STORAGE[dtype])
+    nbytes = max(1, math.prod(shape)) * _ITEMSIZE[dtype]
+    bstrides = tuple(s * _ITEMSIZE[dtype] for s in strides)
+    ndarray, alloc = cupy.ndarray, cupy.cuda.alloc
+    wrap = dtype == "bf16"
+
+    def cupy_alloc() -> tuple[Any, int]:
+        mem = alloc(nbytes)
+        a = ndarray(shape, npdt, mem, bstrides)
+        return (bfloat16(a) if wrap else a), mem.ptr
+
+    return cupy_alloc
 
 
-def empty_vector(ref: DeviceTensor, length: int) -> Any:
-    """A new contiguous (length,) vector of `ref`'s framework, dtype and device."""
+def workspace_allocator(ref: DeviceTensor, nbytes: int) -> Callable[[], tuple[Any, int]]:
+    """A function returning (a new scratch buffer of `nbytes`, its pointer) from the caller's
+    allocator: torch's caching allocator for torch inputs (so CUDA-graph capture puts it in
+    the graph's pool), CuPy's memory pool otherwise."""
     if ref.kind == "torch":
         import torch
 
-        return torch.empty((length,), dtype=ref.obj.dtype, device=ref.obj.device)
+        dev, empty, u8 = ref.obj.device, torch.empty, torch.uint8
+
+        def torch_ws() -> tuple[Any, int]:
+            t = empty((nbytes,), dtype=u8, device=dev)
+            return t, t.data_ptr()
+
+        return torch_ws
     import cupy
 
-    with cupy.cuda.Device(ref.device):
-        a = cupy.empty((length,), {"fp32": "float32", "fp16": "float16", "bf16": "uint16"}[ref.dtype])
-    return bfloat16(a) if ref.dtype == "bf16" else a
+    alloc = cupy.cuda.alloc
+
+    def cupy_ws() -> tuple[Any, int]:
+        mem = alloc(nbytes)
+        return mem, mem.ptr
+
+    return cupy_ws
 
 
-def empty_f32(ref: DeviceTensor, shape: tuple[int, ...]) -> Any:
+def current_stream_fn(ref: DeviceTensor) -> Callable[[], int]:
+    """A function returning the raw stream to launch on: torch's current stream on `ref`'s
+    device for torch inputs, else CuPy's current stream."""
     if ref.kind == "torch":
         import torch
 
-        return torch.empty(shape, dtype=torch.float32, device=ref.obj.device)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        index = ref.device
+        if raw is not None:
+            return lambda: raw(index)
+        current = torch.cuda.current_stream
+        return lambda: current(index).cuda_stream
     import cupy
 
-    with cupy.cuda.Device(ref.device):
-        return cupy.empty(shape, "float32")
+    get = cupy.cuda.get_current_stream
+    return lambda: get().ptr
 
 
-def data_ptr(obj: Any) -> int:
-    if _is_torch(obj):
-        return obj.data_ptr()
-    if isinstance(obj, bfloat16):
-        return obj.data.data.ptr
-    return obj.data.ptr
+# ---------------------------------------------------------------------------------------------
+# The fast path: a tensor argument's signature and pointer, without building a DeviceTensor.
+# ---------------------------------------------------------------------------------------------
+class Slow(Exception):
+    """An argument the fast path does not read (None is read); the full checks must look at it."""
 
 
-def stream_for(t: DeviceTensor) -> Any:
-    """The stream to launch on: torch's current stream for torch inputs, else CuPy's."""
-    import cupy
+class _NoTorch:  # isinstance(x, _NoTorch) is never true: torch is not imported
+    pass
 
-    if t.kind == "torch":
-        import warnings
 
-        import torch
+_torch_tensor: type = _NoTorch
+_cupy_ndarray: type = _NoTorch
 
-        ts = torch.cuda.current_stream(t.obj.device)
-        try:
-            return cupy.cuda.Stream.from_external(ts)  # CuPy 14: the CUDA stream protocol
-        except Exception:  # older CuPy or torch without __cuda_stream__
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                return cupy.cuda.ExternalStream(ts.cuda_stream, t.device)
-    return cupy.cuda.get_current_stream()
+
+def _refresh_types() -> None:
+    global _torch_tensor, _cupy_ndarray
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _torch_tensor = torch.Tensor
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        _cupy_ndarray = cupy.ndarray
+
+
+def sig(t: Any) -> tuple[Any, int]:
+    """(signature, device pointer) of a tensor argument: the signature holds everything the
+    argument checks read (framework, shape, strides, dtype, device), so two arguments with equal
+    signatures pass or fail the checks alike. None -> (None, 0). Raises Slow for anything else
+    (host arrays, __cuda_array_interface__ objects, ...): the full checks handle those."""
+    if t is None:
+        return None, 0
+    if isinstance(t, _torch_tensor):
+        return (t.shape, t.stride(), t.dtype, t.get_device(), t.is_cuda), t.data_ptr()
+    tp = type(t)
+    if tp is _cupy_ndarray:
+        d = t.data
+        return (t.shape, t.strides, t.dtype, d.device_id), d.ptr
+    if tp is bfloat16:
+        a = t.data
+        if type(a) is _cupy_ndarray:
+            d = a.data
+            return ("bf16", a.shape, a.strides, a.dtype, d.device_id), d.ptr
+    if _torch_tensor is _NoTorch or _cupy_ndarray is _NoTorch:
+        _refresh_types()
+        if isinstance(t, (_torch_tensor, _cupy_ndarray)):
+            return sig(t)
+    raise Slow
+
+
+#: alignment class (largest power of two <= 16 dividing a pointer) by the pointer's low 4 bits
+ALIGN = tuple(16 if r == 0 else (r & -r) for r in range(16))

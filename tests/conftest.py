@@ -26,4 +26,7 @@ def _isolated_db(tmp_path, monkeypatch):
     monkeypatch.setenv("CKGEN_DB", str(tmp_path / "cache" / "instances.yaml"))
     # Tests see no shipped DB unless they ask for it (test_shipped_db.py reads the packaged file).
     monkeypatch.setenv("CKGEN_SHIPPED_DB", str(tmp_path / "no-shipped-db.yaml"))
+    from ckgen.dispatch import dispatcher
+
+    dispatcher().reload()  # the DB paths changed: no choice or launch plan of another test's DB
     yield

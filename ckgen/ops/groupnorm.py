@@ -277,11 +277,11 @@ class GroupNormFwd(GroupNormOp):
         return {"y": y, "mean": raw["mean"].astype(np.float64).reshape(p.N, p.G),
                 "rstd": raw["rstd"].astype(np.float64).reshape(p.N, p.G)}
 
-    def kernel_args(self, p: GroupNormProblem, ptrs: Mapping[str, int], eps: float) -> tuple:
-        u = np.uint64
-        return (u(ptrs["x"]), u(ptrs.get("gamma", 0)), u(ptrs.get("beta", 0)), u(ptrs["y"]),
-                u(ptrs["mean"]), u(ptrs["rstd"]), u(ptrs.get("ws", 0)), np.int32(p.C), np.int32(p.HW), np.int32(p.G),
-                np.float32(eps))
+    arg_names: ClassVar[tuple[str, ...]] = ("x", "gamma", "beta", "y", "mean", "rstd", "ws")
+    takes_eps: ClassVar[bool] = True
+
+    def scalar_args(self, p: GroupNormProblem) -> tuple:
+        return np.int32(p.C), np.int32(p.HW), np.int32(p.G)
 
 
 

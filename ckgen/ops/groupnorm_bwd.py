@@ -154,11 +154,10 @@ class _GroupNormBwd(GroupNormOp):
         dgb = p.N * config["split"] * p.C * 2 if self.want_dgb else 0
         return 4 * (dgb + self._ab_floats(p, config))
 
-    def kernel_args(self, p: GroupNormProblem, ptrs: Mapping[str, int], eps: float) -> tuple:
-        u = np.uint64
-        return (u(ptrs["x"]), u(ptrs["dy"]), u(ptrs["mean"]), u(ptrs["rstd"]), u(ptrs.get("gamma", 0)),
-                u(ptrs.get("beta", 0)), u(ptrs.get("dx", 0)), u(ptrs.get("dgamma", 0)), u(ptrs.get("dbeta", 0)),
-                u(ptrs.get("ws", 0)), np.int32(p.N), np.int32(p.C), np.int32(p.HW), np.int32(p.G))
+    arg_names: ClassVar[tuple[str, ...]] = ("x", "dy", "mean", "rstd", "gamma", "beta", "dx", "dgamma", "dbeta", "ws")
+
+    def scalar_args(self, p: GroupNormProblem) -> tuple:
+        return np.int32(p.N), np.int32(p.C), np.int32(p.HW), np.int32(p.G)
 
     def min_bytes(self, p: GroupNormProblem) -> int:
         # read x and dy; write dx (the per-channel outputs are negligible)

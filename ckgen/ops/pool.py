@@ -574,11 +574,11 @@ class _PoolOp(OpSpec):
             return flat.reshape(p.N, p.C, h, w)
         return flat.reshape(p.N, h, w, p.C).transpose(0, 3, 1, 2)
 
-    def kernel_args(self, p: PoolProblem, ptrs: Mapping[str, int], eps: float) -> tuple:
-        u, i = np.uint64, np.int32
-        return (u(ptrs.get("x", 0)), u(ptrs.get("y", 0)), u(ptrs.get("indices", 0)), u(ptrs.get("dy", 0)),
-                u(ptrs.get("dx", 0)), u(ptrs.get("ws", 0)),
-                i(p.N), i(p.C), i(p.H), i(p.W), i(p.OH), i(p.OW))
+    arg_names: ClassVar[tuple[str, ...]] = ("x", "y", "indices", "dy", "dx", "ws")
+
+    def scalar_args(self, p: PoolProblem) -> tuple:
+        i = np.int32
+        return i(p.N), i(p.C), i(p.H), i(p.W), i(p.OH), i(p.OW)
 
     def distance(self, a: PoolProblem, b: PoolProblem) -> float:
         d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.H * a.W / (b.H * b.W)))

@@ -185,8 +185,20 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def unpack_outputs(self, problem: Any, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
+    # ---- kernel arguments: every kernel of an op takes (pointers..., scalars... [, eps]) ----
+    #: the kernels' pointer parameters, in order; a buffer a call does not have is passed as 0
+    arg_names: ClassVar[tuple[str, ...]]
+    #: whether a float32 eps follows the scalars (a run-time value, not part of the problem)
+    takes_eps: ClassVar[bool] = False
+
     @abc.abstractmethod
-    def kernel_args(self, problem: Any, ptrs: Mapping[str, int], eps: float) -> tuple: ...
+    def scalar_args(self, problem: Any) -> tuple:
+        """The NumPy scalars (int32 shape values) after the pointers; fixed for a problem."""
+
+    def kernel_args(self, problem: Any, ptrs: Mapping[str, int], eps: float = 0.0) -> tuple:
+        """The argument tuple of every launch: `ptrs` maps arg_names to device pointers."""
+        out = tuple(np.uint64(ptrs.get(n, 0)) for n in self.arg_names) + self.scalar_args(problem)
+        return out + (np.float32(eps),) if self.takes_eps else out
 
     @abc.abstractmethod
     def distance(self, a: Any, b: Any) -> float:

@@ -137,6 +137,12 @@ def dispatcher() -> Dispatcher:
 _LAUNCH_LOCK = threading.Lock()  # one argument buffer per plan: fill and launch under the lock
 _SLOT = 8  # bytes per kernel argument slot (pointers; int32/float32 use the low 4 bytes)
 _graph_keep: list[Any] = []  # CuPy workspaces of captured launches: the graph replays into them
+#: a workspace up to this size is kept per (plan, stream) and reused by the next call on that
+#: stream (calls on one stream run in order), except under stream capture
+_KEEP_WS_BYTES = 4 << 20
+_multi_gpu: bool | None = None  # more than one visible device: check the current one per call
+_rt: Any = None  # cupy.cuda.runtime and driver.launchKernel, bound when the first plan is built
+_launch_kernel: Any = None
 
 
 @dataclass(frozen=True)
@@ -152,8 +158,8 @@ class Output:
 class Plan:
     """One problem's launch on one device, computed once (see the module doc)."""
 
-    __slots__ = ("choice", "device", "_steps", "_kernels", "_allocs", "_ws", "_order", "_pack", "_buf",
-                 "_kargs", "_eps_at", "_stream", "_cupy_ws", "_out_names")
+    __slots__ = ("choice", "device", "_steps", "_kernels", "_allocs", "_ws", "_ws_kept", "_order", "_pack",
+                 "_buf", "_kargs", "_eps_at", "_stream", "_cupy_ws", "_out_names")
 
     def __init__(self, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str], outputs: Sequence[Output],
                  vector_ptrs: Sequence[int]) -> None:
@@ -163,6 +169,12 @@ class Plan:
         from .target import device_info
         from .tensors import alignment, allocator, current_stream_fn, workspace_allocator
 
+        global _multi_gpu, _rt, _launch_kernel
+        if _rt is None:
+            from cupy.cuda import driver, runtime
+
+            _rt, _launch_kernel = runtime, driver.launchKernel
+            _multi_gpu = runtime.getDeviceCount() > 1
         self.device = like.device
         with _on_device(self.device):
             target = device_info(self.device).target
@@ -175,6 +187,7 @@ class Plan:
         self._allocs = tuple(allocator(like, o.shape, o.layout, o.dtype) for o in outputs)
         self._out_names = tuple(o.name for o in outputs)
         self._ws = workspace_allocator(like, ws_bytes) if ws_bytes else None
+        self._ws_kept: dict[int, tuple[Any, int]] | None = {} if 0 < ws_bytes <= _KEEP_WS_BYTES else None
         self._cupy_ws = bool(ws_bytes) and like.kind != "torch"
         self._stream = current_stream_fn(like)
         # Pointer slots in the kernels' order, as indices into (inputs..., outputs..., ws, 0).
@@ -199,9 +212,7 @@ class Plan:
 
     def run(self, ins: tuple, eps: float = 0.0) -> list[Any]:
         """Allocate the outputs, launch every kernel on the current stream; returns the outputs."""
-        from cupy.cuda import runtime
-
-        if runtime.getDevice() != self.device:
+        if _multi_gpu and _rt.getDevice() != self.device:
             with _on_device(self.device):
                 return self.run(ins, eps)
         objs = []
@@ -210,17 +221,25 @@ class Plan:
             o, p = a()
             objs.append(o)
             ptrs.append(p)
-        ws = None
-        if self._ws is not None:
-            ws, p = self._ws()
-            ptrs.append(p)
-        else:
-            ptrs.append(0)
-        ptrs.append(0)
         stream = self._stream()
+        ws = None
+        if self._ws is None:
+            ptrs.append(0)
+        elif _rt.streamIsCapturing(stream):
+            ws, p = self._ws()  # the graph's own: from the capture's pool (torch), kept alive (CuPy)
+            ptrs.append(p)
+            if self._cupy_ws:
+                _graph_keep.append(ws)
+        elif self._ws_kept is not None:
+            kept = self._ws_kept.get(stream)
+            if kept is None:
+                kept = self._ws_kept[stream] = self._ws()
+            ptrs.append(kept[1])
+        else:
+            ws, p = self._ws()  # large: from the allocator per call, freed (stream-ordered) after
+            ptrs.append(p)
+        ptrs.append(0)
         _launch(self, self._order(ptrs), eps, stream)
-        if self._cupy_ws and runtime.streamIsCapturing(stream):
-            _graph_keep.append(ws)  # the captured graph writes into it at every replay
         return objs
 
     def __repr__(self) -> str:
@@ -228,26 +247,22 @@ class Plan:
 
 
 def _launch(plan: Plan, ptrs: tuple, eps: float, stream: int) -> None:
-    from cupy.cuda import driver
-
-    buf, kargs = plan._buf, plan._kargs[1]
+    buf, kargs, launch = plan._buf, plan._kargs[1], _launch_kernel
     with _LAUNCH_LOCK:
         plan._pack(buf, 0, *ptrs)
         if plan._eps_at >= 0:
             struct.pack_into("<f", buf, plan._eps_at, eps)
         try:
             for f, gx, gy, gz, bx, by, bz, smem in plan._steps:
-                driver.launchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
-        except driver.CUDADriverError as e:
+                launch(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
+        except Exception as e:
             if "CONTEXT" not in str(e):
                 raise
-            # A thread that never used CUDA: bind the device's primary context, launch again.
-            # (Only the first kernel can have failed this way.)
-            from cupy.cuda import runtime
-
-            runtime.memGetInfo()
+            # A thread that never used CUDA has no current context: bind the device's primary
+            # context and launch again (only the first kernel can have failed this way).
+            _rt.memGetInfo()
             for f, gx, gy, gz, bx, by, bz, smem in plan._steps:
-                driver.launchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
+                launch(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
 
 
 class _on_device:

@@ -180,7 +180,11 @@ def allocator(ref: DeviceTensor, shape: tuple[int, ...], layout: str, dtype: str
     def cupy_alloc() -> tuple[Any, int]:
         mem = alloc(nbytes)
         a = ndarray(shape, npdt, mem, bstrides)
-        return (bfloat16(a) if wrap else a), mem.ptr
+        if wrap:
+            b = object.__new__(bfloat16)  # a checked uint16 array: skip __post_init__
+            object.__setattr__(b, "data", a)
+            return b, mem.ptr
+        return a, mem.ptr
 
     return cupy_alloc
 

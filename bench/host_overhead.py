@@ -40,6 +40,25 @@ def wall_per_call(fn, calls: int, rounds: int = 7, sync=None) -> tuple[float, fl
     return statistics.median(out), min(out), max(out)
 
 
+def interleaved(fns: list, calls: int, rounds: int = 9, sync=None) -> list[list[float]]:
+    """Wall time per call (us) of each of `fns`, measured in alternating rounds (A B C A B C ...),
+    so that the host's drift (this machine's speed varies by tens of percent over seconds) hits
+    every column alike. Returns the per-round times of each fn."""
+    for fn in fns:
+        for _ in range(50):
+            fn()
+    sync()
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            out[i].append((time.perf_counter() - t0) * 1e6 / calls)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).with_name("results")))
@@ -135,9 +154,11 @@ def main() -> int:
 
     rows = []
     for name, ours, ours_cupy, eager, eager_kind in cases:
-        t_ours = wall_per_call(ours, args.calls, sync=sync)
-        t_cupy = wall_per_call(ours_cupy, args.calls, sync=sync)
-        t_eager = wall_per_call(eager, args.calls, sync=sync)
+        r_ours, r_cupy, r_eager = interleaved([ours, ours_cupy, eager], args.calls, sync=sync)
+        t_ours = statistics.median(r_ours), min(r_ours), max(r_ours)
+        t_cupy = statistics.median(r_cupy), min(r_cupy), max(r_cupy)
+        t_eager = statistics.median(r_eager), min(r_eager), max(r_eager)
+        ratio = statistics.median(a / b for a, b in zip(r_ours, r_eager))  # round by round
         gpu = timer.time(ours).median_us
         # CUDA graph: capture one call (after the warm-up above), replay back to back
         replay = None
@@ -154,21 +175,27 @@ def main() -> int:
             replay = wall_per_call(g.replay, args.calls, sync=sync)[0]
         except Exception as e:  # noqa: BLE001 - recorded in the table
             print(f"{name}: graph capture failed: {e.__class__.__name__}: {e}", file=sys.stderr)
-        choice = None
+        choice = plan = None
         try:
+            from ckgen.api import planners
+
             op = name.split()[0]
-            choice = ckgen.explain(op, *{"groupnorm_fwd": (x, gamma, beta, G),
+            plan = planners[op](*{"groupnorm_fwd": (x, gamma, beta, G),
                                          "groupnorm_bwd": (dy, x, mean, rstd, gamma, G),
                                          "groupnorm_bwd_data": (dy, x, mean, rstd, gamma, G),
                                          "groupnorm_bwd_gamma_beta": (dy, x, mean, rstd, G),
                                          "maxpool2d_fwd": (xp, k, s, p), "maxpool2d_bwd": (dyp, xp, k, s, p),
-                                         "avgpool2d_fwd": (xp, k, s, p), "avgpool2d_bwd": (dyp, xp, k, s, p)}[op])
+                                         "avgpool2d_fwd": (xp, k, s, p), "avgpool2d_bwd": (dyp, xp, k, s, p)}[op],
+                                  **({"activation": "swish"} if "swish" in name else
+                                     {"return_indices": True} if "indices" in name else
+                                     {"indices": idx} if op == "maxpool2d_bwd" else {}))[0]
+            choice = plan.choice
         except Exception as e:  # noqa: BLE001
             print(f"{name}: explain failed: {e}", file=sys.stderr)
         rows.append({"op": name, "ckgen_us": t_ours[0], "ckgen_min_us": t_ours[1], "ckgen_max_us": t_ours[2],
                      "ckgen_cupy_us": t_cupy[0], "eager_us": t_eager[0], "eager": eager_kind,
-                     "ratio_eager": t_ours[0] / t_eager[0], "graph_replay_us": replay, "gpu_us": gpu,
-                     "instance": choice.instance if choice else None})
+                     "ratio_eager": ratio, "graph_replay_us": replay, "gpu_us": gpu,
+                     "launches": plan.launches if plan else None, "instance": choice.instance if choice else None})
         r = rows[-1]
         print(f"{name:28s} ckgen {r['ckgen_us']:6.2f} us (cupy {r['ckgen_cupy_us']:6.2f}) | eager {r['eager_us']:6.2f} "
               f"| x{r['ratio_eager']:.2f} | graph {replay or float('nan'):6.2f} | gpu {gpu:6.2f}", flush=True)
@@ -182,19 +209,21 @@ def main() -> int:
     limit = {"groupnorm_bwd": 15.0, "groupnorm_bwd_data": 15.0, "groupnorm_bwd_gamma_beta": 15.0}
     lines = [f"# Host time per call on {info.name} ({info.target.arch})", "",
              f"Measured in one run by bench/host_overhead.py ({torch.__version__=}, CuPy {cupy.__version__}): "
-             f"wall time of {args.calls} back-to-back calls, then one synchronize, / {args.calls}; median of 7 rounds. "
+             f"wall time of {args.calls} back-to-back calls, then one synchronize, / {args.calls}; median of 9 rounds, "
+             "the rounds of ckgen (torch), ckgen (CuPy) and eager interleaved; ckgen / eager is the median of the "
+             "per-round ratios. "
              "Tiny shapes (GroupNorm 2x32x8x8 G=8, pooling 2x16x8x8 k3 s2 p1, bf16 NCHW), so the GPU never limits "
              "(its time per call, L2 flushed, is the last column). eager: the aten op PyTorch runs for the same job. "
              "graph: torch.cuda.graph replay of one captured ckgen call, per replay.", "",
              f"Floor: a bare CuPy RawKernel launch of an empty kernel {floor_raw[0]:.2f} us; "
              f"a bare cuLaunchKernel (cupy.cuda.driver.launchKernel, what ckgen's plans call) {floor_drv[0]:.2f} us.", "",
-             "| op | ckgen us (torch) | ckgen us (CuPy) | eager us | ckgen / eager | target | met | graph replay us | GPU us | eager op |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | launches | ckgen us (torch) | ckgen us (CuPy) | eager us | ckgen / eager | target | met | graph replay us | GPU us | eager op |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lim = limit.get(r["op"].split()[0], 12.0)
         met = r["ckgen_us"] <= lim and r["ratio_eager"] <= 1.5
         g = f"{r['graph_replay_us']:.2f}" if r["graph_replay_us"] else "failed"
-        lines.append(f"| {r['op']} | {r['ckgen_us']:.2f} | {r['ckgen_cupy_us']:.2f} | {r['eager_us']:.2f} | "
+        lines.append(f"| {r['op']} | {r['launches']} | {r['ckgen_us']:.2f} | {r['ckgen_cupy_us']:.2f} | {r['eager_us']:.2f} | "
                      f"{r['ratio_eager']:.2f} | <= {lim:g} us, <= 1.5x | {'yes' if met else 'NO'} | {g} | "
                      f"{r['gpu_us']:.2f} | {r['eager']} |")
     lines.append("")
@@ -219,7 +248,7 @@ def breakdown(x, gamma, beta, G, calls, sync) -> None:
         "sig(x)": lambda: sig(x),
         "3x sig": lambda: (sig(x), sig(gamma), sig(beta)),
         "plan lookup (_plan_fwd)": lambda: gn._plan_fwd(x, gamma, beta, G),
-        "plan.run": lambda: plan.run(ins, 1e-5),
+        "plan.run": lambda: plan.run(ins, 1e-5, x),
         "torch.empty_strided": lambda: torch.empty_strided((2, 32, 8, 8), (2048, 64, 8, 1), dtype=x.dtype, device=dev),
         "torch.empty (N,G) f32": lambda: torch.empty((2, 8), dtype=torch.float32, device=dev),
         "raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),

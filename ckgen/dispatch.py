@@ -156,18 +156,18 @@ class Output:
 
 
 class Plan:
-    """One problem's launch on one device, computed once (see the module doc)."""
+    """One problem's launch on one device, computed once (see the module doc). `run(ins, eps,
+    like)` is a launcher generated for this plan (as Triton generates one per kernel): `ins`
+    are the input pointers in the order the op's public function gave them to `plan_for`,
+    `like` the caller's x (outputs shaped like it are allocated with torch.empty_like)."""
 
-    __slots__ = ("choice", "device", "_steps", "_kernels", "_allocs", "_ws", "_ws_kept", "_order", "_pack",
-                 "_buf", "_kargs", "_eps_at", "_stream", "_cupy_ws", "_out_names")
+    __slots__ = ("choice", "device", "launches", "run", "_kernels", "_keep")
 
     def __init__(self, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str], outputs: Sequence[Output],
                  vector_ptrs: Sequence[int]) -> None:
-        import numpy as np
-
         from .compile import load_kernel
         from .target import device_info
-        from .tensors import alignment, allocator, current_stream_fn, workspace_allocator
+        from .tensors import alignment
 
         global _multi_gpu, _rt, _launch_kernel
         if _rt is None:
@@ -182,87 +182,131 @@ class Plan:
             config = self.choice.config
             launches = op.launches(problem, config, target)
             self._kernels = [load_kernel(src, target, l.kernel).kernel for l in launches]  # cupy Functions
-        self._steps = tuple((k.ptr, *l.grid, *l.block, l.shared_mem) for k, l in zip(self._kernels, launches))
-        ws_bytes = op.workspace_bytes(problem, config)
-        self._allocs = tuple(allocator(like, o.shape, o.layout, o.dtype) for o in outputs)
-        self._out_names = tuple(o.name for o in outputs)
-        self._ws = workspace_allocator(like, ws_bytes) if ws_bytes else None
-        self._ws_kept: dict[int, tuple[Any, int]] | None = {} if 0 < ws_bytes <= _KEEP_WS_BYTES else None
-        self._cupy_ws = bool(ws_bytes) and like.kind != "torch"
-        self._stream = current_stream_fn(like)
-        # Pointer slots in the kernels' order, as indices into (inputs..., outputs..., ws, 0).
-        names = (*inputs, *(o.name for o in outputs), "ws")
-        zero = len(names)
-        order = tuple(names.index(n) if n in names else zero for n in op.arg_names)
-        self._order = operator.itemgetter(*order)
-        nptr = len(op.arg_names)
-        self._pack = struct.Struct(f"<{nptr}Q").pack_into
-        # The argument buffer: one 8-byte slot per argument; the scalars written once, here.
-        scalars = op.scalar_args(problem)
-        nslots = nptr + len(scalars) + (1 if op.takes_eps else 0)
-        self._buf = np.zeros(nslots, dtype=np.uint64)
-        raw = self._buf.view(np.uint8)
-        for i, v in enumerate(scalars):
-            b = np.asarray(v).tobytes()
-            raw[(nptr + i) * _SLOT:(nptr + i) * _SLOT + len(b)] = np.frombuffer(b, np.uint8)
-        self._eps_at = (nptr + len(scalars)) * _SLOT if op.takes_eps else -1
-        base = self._buf.ctypes.data
-        kargs = np.array([base + i * _SLOT for i in range(nslots)], dtype=np.uint64)
-        self._kargs = (kargs, int(kargs.ctypes.data))
-
-    def run(self, ins: tuple, eps: float = 0.0) -> list[Any]:
-        """Allocate the outputs, launch every kernel on the current stream; returns the outputs."""
-        if _multi_gpu and _rt.getDevice() != self.device:
-            with _on_device(self.device):
-                return self.run(ins, eps)
-        objs = []
-        ptrs = list(ins)
-        for a in self._allocs:
-            o, p = a()
-            objs.append(o)
-            ptrs.append(p)
-        stream = self._stream()
-        ws = None
-        if self._ws is None:
-            ptrs.append(0)
-        elif _rt.streamIsCapturing(stream):
-            ws, p = self._ws()  # the graph's own: from the capture's pool (torch), kept alive (CuPy)
-            ptrs.append(p)
-            if self._cupy_ws:
-                _graph_keep.append(ws)
-        elif self._ws_kept is not None:
-            kept = self._ws_kept.get(stream)
-            if kept is None:
-                kept = self._ws_kept[stream] = self._ws()
-            ptrs.append(kept[1])
-        else:
-            ws, p = self._ws()  # large: from the allocator per call, freed (stream-ordered) after
-            ptrs.append(p)
-        ptrs.append(0)
-        _launch(self, self._order(ptrs), eps, stream)
-        return objs
+        steps = [(k.ptr, *l.grid, *l.block, l.shared_mem) for k, l in zip(self._kernels, launches)]
+        self.launches = len(steps)
+        self.run, self._keep = _launcher(self, op, problem, like, inputs, outputs, steps,
+                                         op.workspace_bytes(problem, config))
 
     def __repr__(self) -> str:
-        return f"Plan({self.choice.instance}, device {self.device}, {len(self._steps)} launch(es))"
+        return f"Plan({self.choice.instance}, device {self.device})"
 
 
-def _launch(plan: Plan, ptrs: tuple, eps: float, stream: int) -> None:
-    buf, kargs, launch = plan._buf, plan._kargs[1], _launch_kernel
-    with _LAUNCH_LOCK:
-        plan._pack(buf, 0, *ptrs)
-        if plan._eps_at >= 0:
-            struct.pack_into("<f", buf, plan._eps_at, eps)
-        try:
-            for f, gx, gy, gz, bx, by, bz, smem in plan._steps:
-                launch(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
-        except Exception as e:
-            if "CONTEXT" not in str(e):
-                raise
-            # A thread that never used CUDA has no current context: bind the device's primary
-            # context and launch again (only the first kernel can have failed this way).
-            _rt.memGetInfo()
-            for f, gx, gy, gz, bx, by, bz, smem in plan._steps:
-                launch(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
+def _arg_buffer(op: OpSpec, problem: Problem) -> tuple[Any, Any, int]:
+    """The kernels' argument buffer: one 8-byte slot per argument (pointers, then the scalars,
+    written here once, then eps), the array of slot addresses cuLaunchKernel takes, and the
+    byte offset of eps (-1: none)."""
+    import numpy as np
+
+    nptr = len(op.arg_names)
+    scalars = op.scalar_args(problem)
+    nslots = nptr + len(scalars) + (1 if op.takes_eps else 0)
+    buf = np.zeros(nslots, dtype=np.uint64)
+    raw = buf.view(np.uint8)
+    for i, v in enumerate(scalars):
+        b = np.asarray(v).tobytes()
+        raw[(nptr + i) * _SLOT:(nptr + i) * _SLOT + len(b)] = np.frombuffer(b, np.uint8)
+    kargs = np.array([buf.ctypes.data + i * _SLOT for i in range(nslots)], dtype=np.uint64)
+    return buf, kargs, (nptr + len(scalars)) * _SLOT if op.takes_eps else -1
+
+
+def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str],
+              outputs: Sequence[Output], steps: list[tuple], ws_bytes: int) -> tuple[Callable[..., tuple], list]:
+    """Generate the plan's run(ins, eps=0.0, like=None): allocate the outputs, fill the pointer
+    slots, launch every step on the current stream, return the outputs. Straight-line code:
+    no per-call loops, dicts or lookups beyond the stream's workspace."""
+    from .tensors import _strides, bfloat16, current_stream_fn, workspace_allocator
+
+    buf, kargs, eps_at = _arg_buffer(op, problem)
+    ns: dict[str, Any] = {
+        "LOCK": _LAUNCH_LOCK, "pack": struct.Struct(f"<{len(op.arg_names)}Q").pack_into, "buf": buf,
+        "KARGS": int(kargs.ctypes.data), "pack_eps": struct.Struct("<f").pack_into, "launch": _launch_kernel,
+        "stream_of": current_stream_fn(like), "rt": _rt, "retry": _retry, "STEPS": tuple(steps), "plan": plan,
+    }
+    keep: list[Any] = [buf, kargs]  # alive as long as the plan
+    body = ["def run(ins, eps=0.0, like=None):"]
+    ptr_of = {name: f"ins[{i}]" for i, name in enumerate(inputs)}
+    if like.kind == "torch":
+        import torch
+
+        ns.update(empty_strided=torch.empty_strided, empty_like=torch.empty_like, Tensor=torch.Tensor,
+                  DEV=like.obj.device)
+        tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int64": torch.int64}
+        for i, o in enumerate(outputs):
+            ns[f"S{i}"], ns[f"T{i}"], ns[f"D{i}"] = o.shape, _strides(o.shape, o.layout), tdt[o.dtype]
+            strided = f"empty_strided(S{i}, T{i}, dtype=D{i}, device=DEV)"
+            if tuple(o.shape) == tuple(like.shape) and o.dtype == like.dtype and o.layout != "flat":
+                body.append(f"    o{i} = empty_like(like) if type(like) is Tensor else {strided}")
+            else:
+                body.append(f"    o{i} = {strided}")
+            ptr_of[o.name] = f"o{i}.data_ptr()"
+    else:
+        import math
+
+        import cupy
+
+        from .tensors import _ITEMSIZE, _STORAGE
+
+        ns.update(alloc=cupy.cuda.alloc, ndarray=cupy.ndarray, new=object.__new__, setattr=object.__setattr__,
+                  bfloat16=bfloat16)
+        for i, o in enumerate(outputs):
+            item = _ITEMSIZE[o.dtype]
+            ns[f"S{i}"], ns[f"D{i}"] = o.shape, cupy.dtype(_STORAGE[o.dtype])
+            ns[f"B{i}"] = tuple(s * item for s in _strides(o.shape, o.layout))
+            body += [f"    m{i} = alloc({max(1, math.prod(o.shape)) * item})",
+                     f"    o{i} = ndarray(S{i}, D{i}, m{i}, B{i})"]
+            if o.dtype == "bf16":  # a checked uint16 array: wrap without re-checking
+                body += [f"    w{i} = new(bfloat16)", f"    setattr(w{i}, 'data', o{i})", f"    o{i} = w{i}"]
+            ptr_of[o.name] = f"m{i}.ptr"
+    body.append("    stream = stream_of()")
+    if ws_bytes:
+        ns["WS"] = workspace_allocator(like, ws_bytes)
+        ns["KEPT"] = {}
+        ns["graph_keep"] = _graph_keep
+        body += ["    if rt.streamIsCapturing(stream):",
+                 "        ws = WS()  # the graph's own: from the capture's pool (torch), kept alive (CuPy)"]
+        if like.kind != "torch":
+            body.append("        graph_keep.append(ws[0])")
+        if ws_bytes <= _KEEP_WS_BYTES:  # kept per stream: calls on one stream run in order
+            body += ["    else:", "        ws = KEPT.get(stream)", "        if ws is None:",
+                     "            ws = KEPT[stream] = WS()"]
+        else:  # large: from the allocator per call, freed (stream-ordered) when the call returns
+            body += ["    else:", "        ws = WS()"]
+        ptr_of["ws"] = "ws[1]"
+    ptrs = ", ".join(ptr_of.get(n, "0") for n in op.arg_names)
+    body += ["    with LOCK:", f"        pack(buf, 0, {ptrs})"]
+    if eps_at >= 0:
+        body.append(f"        pack_eps(buf, {eps_at}, eps)")
+    body.append("        try:")
+    for f, gx, gy, gz, bx, by, bz, smem in steps:
+        body.append(f"            launch({f}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {smem}, stream, KARGS, 0)")
+    body += ["        except Exception as e:", "            retry(e, STEPS, stream, KARGS)"]
+    body.append(f"    return ({''.join(f'o{i}, ' for i in range(len(outputs)))})")
+    code = "\n".join(body) + "\n"
+    exec(compile(code, f"<ckgen launcher {plan.choice.instance}>", "exec"), ns)  # noqa: S102 - our own code
+    here = ns["run"]
+    here.source = code  # for debugging: print(plan.run.source)
+    if not _multi_gpu:
+        return here, keep
+    device = like.device
+
+    def run(ins: tuple, eps: float = 0.0, like: Any = None) -> tuple:
+        if _rt.getDevice() != device:
+            with _on_device(device):
+                return here(ins, eps, like)
+        return here(ins, eps, like)
+
+    run.source = code
+    return run, keep
+
+
+def _retry(e: Exception, steps: tuple, stream: int, kargs: int) -> None:
+    """A launch failed. A thread that never used CUDA has no current context: bind the device's
+    primary context and launch again (only the first step can have failed that way)."""
+    if "CONTEXT" not in str(e):
+        raise e
+    _rt.memGetInfo()
+    for f, gx, gy, gz, bx, by, bz, smem in steps:
+        _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
 
 
 class _on_device:

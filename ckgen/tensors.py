@@ -3,7 +3,6 @@ that name the argument and the fix. NumPy and CuPy have no bfloat16: wrap a uint
 array with `ckgen.bfloat16(a)` or pass a torch tensor."""
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -151,44 +150,6 @@ def _strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def allocator(ref: DeviceTensor, shape: tuple[int, ...], layout: str, dtype: str) -> Callable[[], tuple[Any, int]]:
-    """A function returning (a new tensor, its device pointer) of logical `shape` in `layout`
-    and `dtype` ('fp32', 'fp16', 'bf16' or 'int64', the storage of 'bf16' for bf16 outputs),
-    on `ref`'s device and framework (a torch tensor, a CuPy array, or ckgen.bfloat16)."""
-    shape = tuple(int(n) for n in shape)
-    strides = _strides(shape, layout)
-    if ref.kind == "torch":
-        import torch
-
-        tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int64": torch.int64}[dtype]
-        dev = ref.obj.device
-        empty = torch.empty_strided
-
-        def torch_alloc() -> tuple[Any, int]:
-            t = empty(shape, strides, dtype=tdt, device=dev)
-            return t, t.data_ptr()
-
-        return torch_alloc
-    import cupy
-
-    npdt = cupy.dtype(_STORAGE[dtype])
-    nbytes = max(1, math.prod(shape)) * _ITEMSIZE[dtype]
-    bstrides = tuple(s * _ITEMSIZE[dtype] for s in strides)
-    ndarray, alloc = cupy.ndarray, cupy.cuda.alloc
-    wrap = dtype == "bf16"
-
-    def cupy_alloc() -> tuple[Any, int]:
-        mem = alloc(nbytes)
-        a = ndarray(shape, npdt, mem, bstrides)
-        if wrap:
-            b = object.__new__(bfloat16)  # a checked uint16 array: skip __post_init__
-            object.__setattr__(b, "data", a)
-            return b, mem.ptr
-        return a, mem.ptr
-
-    return cupy_alloc
-
-
 def workspace_allocator(ref: DeviceTensor, nbytes: int) -> Callable[[], tuple[Any, int]]:
     """A function returning (a new scratch buffer of `nbytes`, its pointer) from the caller's
     allocator: torch's caching allocator for torch inputs (so CUDA-graph capture puts it in
@@ -265,7 +226,7 @@ def sig(t: Any) -> tuple[Any, int]:
     if t is None:
         return None, 0
     if isinstance(t, _torch_tensor):
-        return (t.shape, t.stride(), t.dtype, t.get_device(), t.is_cuda), t.data_ptr()
+        return (t.shape, t.stride(), t.dtype, t.device), t.data_ptr()
     tp = type(t)
     if tp is _cupy_ndarray:
         d = t.data

@@ -100,7 +100,7 @@ def groupnorm_fwd(x: Any, gamma: Any, beta: Any, groups: int, eps: float = 1e-5,
     plan, ins = _plan_fwd(x, gamma, beta, groups, eps, activation)
     if type(eps) is not float or not 0.0 <= eps <= _F32_MAX:
         eps = _eps(eps)
-    y, mean, rstd = plan.run(ins, eps)
+    y, mean, rstd = plan.run(ins, eps, x)
     return y, mean, rstd
 
 
@@ -177,7 +177,7 @@ def groupnorm_bwd(dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, groups: int
     given the upstream gradient dy and the forward's mean/rstd. dgamma/dbeta are deterministic
     (fixed-order sums, no atomics) and have x's dtype; dx keeps x's layout."""
     plan, ins = _plan_bwd("groupnorm_bwd", dy, x, mean, rstd, gamma, beta, groups, activation)
-    dx, dgamma, dbeta = plan.run(ins)
+    dx, dgamma, dbeta = plan.run(ins, 0.0, x)
     return dx, dgamma, dbeta
 
 
@@ -185,14 +185,14 @@ def groupnorm_bwd_data(dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, groups
                        activation: str | None = None) -> Any:
     """dx of groupnorm_fwd alone (see groupnorm_bwd)."""
     plan, ins = _plan_bwd("groupnorm_bwd_data", dy, x, mean, rstd, gamma, beta, groups, activation)
-    return plan.run(ins)[0]
+    return plan.run(ins, 0.0, x)[0]
 
 
 def groupnorm_bwd_gamma_beta(dy: Any, x: Any, mean: Any, rstd: Any, groups: int, gamma: Any = None,
                              beta: Any = None, activation: str | None = None) -> tuple[Any, Any]:
     """dgamma, dbeta of groupnorm_fwd alone (see groupnorm_bwd); gamma/beta are needed only for swish."""
     plan, ins = _plan_bwd("groupnorm_bwd_gamma_beta", dy, x, mean, rstd, gamma, beta, groups, activation)
-    dgamma, dbeta = plan.run(ins)
+    dgamma, dbeta = plan.run(ins, 0.0, x)
     return dgamma, dbeta
 
 

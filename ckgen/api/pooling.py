@@ -128,7 +128,7 @@ def maxpool2d_fwd(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0
                   ceil_mode: bool = False, return_indices: bool = False) -> Any:
     """y = F.max_pool2d(x, ...); with return_indices=True, (y, indices int64)."""
     plan, ins = _plan_max_fwd(x, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
-    out = plan.run(ins)
+    out = plan.run(ins, 0.0, x)
     return (out[0], out[1]) if len(out) == 2 else out[0]
 
 
@@ -163,7 +163,7 @@ def maxpool2d_bwd(dy: Any, x: Any, kernel_size: Any, stride: Any = None, padding
     """dx, the gradient of max_pool2d(x, ...) given dy: each dy goes to its window's argmax
     (`indices` from maxpool2d_fwd, or recomputed from x when None); overlaps accumulate."""
     plan, ins = _plan_max_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
-    return plan.run(ins)[0]
+    return plan.run(ins, 0.0, x)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def avgpool2d_fwd(x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0
                   count_include_pad: bool = True, divisor_override: int | None = None) -> Any:
     """y = F.avg_pool2d(x, ...)."""
     plan, ins = _plan_avg_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    return plan.run(ins)[0]
+    return plan.run(ins, 0.0, x)[0]
 
 
 def _plan_avg_bwd(dy: Any, x: Any, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: Any = False,
@@ -228,7 +228,7 @@ def avgpool2d_bwd(dy: Any, x: Any, kernel_size: Any, stride: Any = None, padding
                   count_include_pad: bool = True, divisor_override: int | None = None) -> Any:
     """dx, the gradient of avg_pool2d(x, ...) given dy (x gives the shape, layout and dtype)."""
     plan, ins = _plan_avg_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    return plan.run(ins)[0]
+    return plan.run(ins, 0.0, x)[0]
 
 
 planners = {"maxpool2d_fwd": _plan_max_fwd, "maxpool2d_bwd": _plan_max_bwd, "avgpool2d_fwd": _plan_avg_fwd,

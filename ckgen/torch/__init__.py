@@ -1,0 +1,32 @@
+"""ckgen in PyTorch models: custom ops with autograd, drop-in modules, and convert(model).
+
+    import ckgen.torch as ct
+
+    report = ct.convert(model)            # nn.GroupNorm (+ SiLU), nn.MaxPool2d, nn.AvgPool2d -> ckgen
+    print(report)
+    model = torch.compile(model)          # the ops trace (fullgraph=True) and run in CUDA graphs
+
+    gn = ct.GroupNorm(32, 320)            # nn.GroupNorm's arguments and state_dict
+    gns = ct.GroupNormSwish(32, 320)      # GroupNorm then SiLU, one kernel each way
+    mp = ct.MaxPool2d(3, 2, 1, indices="recompute")
+    y, mean, rstd = torch.ops.ckgen.groupnorm_fwd(x, gamma, beta, 32, 1e-5, "swish")
+
+PyTorch is an optional dependency (`pip install ckgen[torch]`); `import ckgen` never imports
+it, `import ckgen.torch` does. Importing this package registers the `ckgen::` custom ops.
+"""
+from __future__ import annotations
+
+try:
+    import torch as _torch  # noqa: F401 - the real torch (absolute import)
+except ImportError as e:  # pragma: no cover - exercised only without torch
+    raise ImportError("ckgen.torch needs PyTorch: pip install 'ckgen[torch]'") from e
+
+from . import functional, ops
+from .convert import OPS, ConvertReport, Entry, FusePattern, convert
+from .functional import avg_pool2d, group_norm, max_pool2d
+from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d
+from .ops import DoubleBackwardError, fallbacks, reset_fallbacks
+
+__all__ = ["OPS", "AvgPool2d", "ConvertReport", "DoubleBackwardError", "Entry", "FusePattern", "GroupNorm",
+           "GroupNormSwish", "MaxPool2d", "avg_pool2d", "convert", "fallbacks", "functional", "group_norm",
+           "max_pool2d", "ops", "reset_fallbacks"]

@@ -1,0 +1,176 @@
+"""Differentiable functions with nn.functional's signatures, running ckgen's custom ops where
+ckgen covers the call and PyTorch's op otherwise (logged once with the reason).
+
+    y = group_norm(x, num_groups, weight, bias, eps, activation=None | "swish")  # F.group_norm (+ F.silu)
+    y = max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode, return_indices, indices="stored")
+    y = avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+ckgen covers 4-D (N, C, H, W) CUDA tensors of float32, float16 or bfloat16 that are
+NCHW-contiguous or channels-last (the output keeps that layout). Anything else - CPU tensors,
+3-D (unbatched or (N, C, L)) inputs, other dtypes, other strides, empty tensors, pooling
+arguments PyTorch rejects - runs nn.functional's op, which also raises PyTorch's own errors.
+
+Everything here is traceable by torch.compile(fullgraph=True): the choice depends only on what
+Dynamo guards on (device, dtype, rank, strides, requires_grad). Under torch.compile the fallback
+is not logged (it is decided once, at trace time); a problem ckgen's dispatcher cannot serve
+falls back inside the custom op, at run time, logged in eager and compiled runs alike.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .ops import note_fallback
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Tests set this to route CPU tensors through the custom ops (their CPU kernels are PyTorch's
+# computation), so the module -> op -> autograd wiring is exercised without a GPU.
+_ROUTE_CPU = False
+
+
+def _fallback(op: str, reason: str) -> None:
+    if not torch.compiler.is_compiling():
+        note_fallback(op, reason)
+
+
+def _tensor_why_not(x: Tensor) -> Optional[str]:
+    """Why ckgen's ops cannot take x (None: they can)."""
+    if x.device.type != "cuda" and not (_ROUTE_CPU and x.device.type == "cpu"):
+        return f"a {x.device.type.upper()} tensor (ckgen runs on CUDA GPUs)"
+    if x.dim() != 4:
+        return f"a {x.dim()}-D input (ckgen covers 4-D (N, C, H, W) tensors)"
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (ckgen covers float32, float16 and bfloat16)"
+    if x.numel() == 0:
+        return "an empty input"
+    if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
+        return "an input that is neither NCHW-contiguous nor channels-last"
+    return None
+
+
+def _needs_grad(*ts: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _int_pair(v, arg: str) -> Optional[tuple[int, int]]:
+    """nn's int-or-tuple argument -> (a, b); None if it is not one (PyTorch then raises)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v, v
+    if isinstance(v, (tuple, list)) and len(v) in (1, 2) and all(isinstance(e, int) and not isinstance(e, bool)
+                                                                for e in v):
+        return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# GroupNorm
+# ---------------------------------------------------------------------------------------------
+def group_norm_why_not(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                       activation: Optional[str] = None) -> Optional[str]:
+    """None when ckgen runs this GroupNorm, else the reason it does not."""
+    why = _tensor_why_not(x)
+    if why:
+        return why
+    if activation not in (None, "none", "swish"):
+        return f"activation {activation!r} (ckgen fuses 'swish' only)"
+    C = x.shape[1]
+    if not isinstance(num_groups, int) or num_groups < 1 or C % num_groups:
+        return f"C={C} not divisible by num_groups={num_groups}"
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != C or t.device != x.device):
+            return f"{name} of shape {tuple(t.shape)} on {t.device} for an input of {C} channels on {x.device}"
+    return None
+
+
+def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+               eps: float = 1e-5, activation: Optional[str] = None) -> Tensor:
+    """F.group_norm(x, num_groups, weight, bias, eps), then F.silu with activation="swish".
+
+    weight/bias of another dtype than x (fp32 parameters with a bf16 input, as under autocast)
+    are cast to x's dtype, and the output has x's dtype; the kernels compute the statistics in
+    float32 either way. (nn.GroupNorm under autocast computes and returns float32.)"""
+    why = group_norm_why_not(x, num_groups, weight, bias, activation)
+    if why is not None:
+        _fallback("group_norm" if activation in (None, "none") else "group_norm+silu", why)
+        y = F.group_norm(x, num_groups, weight, bias, eps)
+        return F.silu(y) if activation == "swish" else y
+    w = weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
+    b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
+    if w is not None and not w.is_contiguous():
+        w = w.contiguous()
+    if b is not None and not b.is_contiguous():
+        b = b.contiguous()
+    y, _, _ = torch.ops.ckgen.groupnorm_fwd(x, w, b, num_groups, float(eps),
+                                            "swish" if activation == "swish" else "none")
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling
+# ---------------------------------------------------------------------------------------------
+def _pool_args_why_not(x: Tensor, k, s, p, d, ceil_mode: bool) -> Optional[str]:
+    if k is None or s is None or p is None or d is None:
+        return "pooling arguments that are not ints or pairs of ints"
+    if min(k) < 1 or min(s) < 1 or min(d) < 1 or min(p) < 0:
+        return f"kernel_size {k}, stride {s}, padding {p}, dilation {d} (PyTorch rejects them)"
+    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        return f"padding {p} over half the kernel {k} (PyTorch rejects it)"
+    from .ops import pool_out_size
+
+    H, W = x.shape[2], x.shape[3]
+    if pool_out_size(H, k[0], s[0], p[0], d[0], ceil_mode) < 1 or pool_out_size(W, k[1], s[1], p[1], d[1],
+                                                                                 ceil_mode) < 1:
+        return f"an output size < 1 for input {H}x{W} (PyTorch rejects it)"
+    return None
+
+
+def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+               return_indices: bool = False, indices: str = "stored"):
+    """F.max_pool2d with ckgen. `indices` picks what the backward uses when x needs a gradient:
+    "stored" (the forward also writes int64 indices, as PyTorch does) or "recompute" (the
+    forward writes y only; the backward recomputes each window's argmax from x). With
+    return_indices=True the indices are computed anyway, and the backward uses them. Without a
+    gradient (inference, torch.no_grad) no indices are written unless asked for."""
+    if indices not in ("stored", "recompute"):
+        raise ValueError(f"indices: expected 'stored' or 'recompute', got {indices!r}")
+    why = _tensor_why_not(x)
+    k = _int_pair(kernel_size, "kernel_size")
+    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _int_pair(stride, "stride")
+    p, d = _int_pair(padding, "padding"), _int_pair(dilation, "dilation")
+    if why is None:
+        why = _pool_args_why_not(x, k, s, p, d, bool(ceil_mode))
+    if why is not None:
+        _fallback("max_pool2d", why)
+        return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
+                            return_indices=return_indices)
+    args = (x, list(k), list(s), list(p), list(d), bool(ceil_mode))
+    if return_indices:
+        return torch.ops.ckgen.maxpool2d_fwd_with_indices(*args)
+    if indices == "stored" and _needs_grad(x):
+        return torch.ops.ckgen.maxpool2d_fwd_with_indices(*args)[0]
+    return torch.ops.ckgen.maxpool2d_fwd(*args)
+
+
+def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override: Optional[int] = None) -> Tensor:
+    """F.avg_pool2d with ckgen (the backward saves nothing)."""
+    why = _tensor_why_not(x)
+    k = _int_pair(kernel_size, "kernel_size")
+    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _int_pair(stride, "stride")
+    p = _int_pair(padding, "padding")
+    if why is None:
+        why = _pool_args_why_not(x, k, s, p, (1, 1), bool(ceil_mode))
+    if why is None and divisor_override is not None and (not isinstance(divisor_override, int)
+                                                         or isinstance(divisor_override, bool) or divisor_override < 1):
+        why = f"divisor_override={divisor_override!r} (PyTorch rejects it)"
+    if why is not None:
+        _fallback("avg_pool2d", why)
+        return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    return torch.ops.ckgen.avgpool2d_fwd(x, list(k), list(s), list(p), bool(ceil_mode), bool(count_include_pad),
+                                         divisor_override)
+
+
+__all__ = ["avg_pool2d", "group_norm", "group_norm_why_not", "max_pool2d"]

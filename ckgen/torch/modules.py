@@ -1,0 +1,99 @@
+"""Drop-in modules: nn.GroupNorm, nn.MaxPool2d and nn.AvgPool2d with ckgen's kernels.
+
+Each subclasses its nn module, so it takes the same arguments, has the same parameters,
+buffers and state_dict keys, passes `isinstance(m, nn.GroupNorm)` checks and prints the same;
+only `forward` differs (see `ckgen.torch.functional` for what falls back to PyTorch).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as CF
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def _carry_over(old: nn.Module, new: nn.Module) -> nn.Module:
+    """The old module's training flag and hooks, on the new one."""
+    new.train(old.training)
+    for name in _HOOK_DICTS:
+        if hasattr(old, name):
+            setattr(new, name, getattr(old, name))
+    return new
+
+
+class GroupNorm(nn.GroupNorm):
+    """nn.GroupNorm(num_groups, num_channels, eps=1e-5, affine=True) running ckgen's GroupNorm
+    forward and backward kernels (the backward saves x, gamma, mean and rstd)."""
+
+    activation: Optional[str] = None
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - nn's argument name
+        return CF.group_norm(input, self.num_groups, self.weight, self.bias, self.eps, activation=self.activation)
+
+    @classmethod
+    def from_module(cls, m: nn.GroupNorm) -> "GroupNorm":
+        """A ckgen module sharing `m`'s parameters (the same Parameter objects), mode and hooks."""
+        with torch.device("meta"):
+            new = cls(m.num_groups, m.num_channels, m.eps, m.affine)
+        new.weight, new.bias = m.weight, m.bias  # None with affine=False
+        return _carry_over(m, new)
+
+
+class GroupNormSwish(GroupNorm):
+    """GroupNorm then SiLU (swish), fused: one ckgen kernel forward, one backward (the backward
+    recomputes the swish input from x, mean, rstd, gamma and beta). Same arguments, parameters
+    and state_dict keys as nn.GroupNorm, so `nn.Sequential(GroupNorm, SiLU)` converts to
+    `nn.Sequential(GroupNormSwish, Identity)` with an unchanged state_dict."""
+
+    activation = "swish"
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", activation=swish"
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """nn.MaxPool2d with ckgen. `indices` ("stored" or "recompute") chooses what the backward
+    uses when the input needs a gradient: int64 indices written by the forward (PyTorch's way,
+    and the faster backward), or the argmax recomputed from x (no index tensor: less memory and
+    less forward traffic). Inference writes no indices unless return_indices=True."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
+                 ceil_mode: bool = False, *, indices: str = "stored") -> None:
+        super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
+        if indices not in ("stored", "recompute"):
+            raise ValueError(f"indices: expected 'stored' or 'recompute', got {indices!r}")
+        self.indices = indices
+
+    def forward(self, input: Tensor):  # noqa: A002
+        return CF.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
+                             ceil_mode=self.ceil_mode, return_indices=self.return_indices, indices=self.indices)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", indices={self.indices}"
+
+    @classmethod
+    def from_module(cls, m: nn.MaxPool2d, indices: str = "stored") -> "MaxPool2d":
+        new = cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode, indices=indices)
+        return _carry_over(m, new)
+
+
+class AvgPool2d(nn.AvgPool2d):
+    """nn.AvgPool2d with ckgen (the backward saves nothing)."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        return CF.avg_pool2d(input, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                             self.count_include_pad, self.divisor_override)
+
+    @classmethod
+    def from_module(cls, m: nn.AvgPool2d) -> "AvgPool2d":
+        new = cls(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad, m.divisor_override)
+        return _carry_over(m, new)
+
+
+__all__ = ["AvgPool2d", "GroupNorm", "GroupNormSwish", "MaxPool2d"]

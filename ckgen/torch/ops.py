@@ -1,0 +1,633 @@
+"""ckgen's public ops as PyTorch custom ops: `torch.ops.ckgen.<op>`.
+
+Every op mirrors the ckgen function of the same name (argument order, defaults, outputs):
+
+    ckgen::groupnorm_fwd(x, gamma?, beta?, groups, eps=1e-5, activation="none") -> (y, mean, rstd)
+    ckgen::groupnorm_bwd(dy, x, mean, rstd, gamma?, groups, beta?=None, activation="none") -> (dx, dgamma, dbeta)
+    ckgen::groupnorm_bwd_data(dy, x, mean, rstd, gamma?, groups, beta?=None, activation="none") -> dx
+    ckgen::groupnorm_bwd_gamma_beta(dy, x, mean, rstd, groups, gamma?=None, beta?=None, activation="none")
+        -> (dgamma, dbeta)
+    ckgen::maxpool2d_fwd(x, kernel_size, stride, padding, dilation, ceil_mode) -> y
+    ckgen::maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode) -> (y, indices)
+    ckgen::maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices?) -> dx
+    ckgen::avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override?) -> y
+    ckgen::avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override?)
+        -> dx
+
+Pooling params are int pairs here (the Python wrappers in `ckgen.torch.functional` take ints too);
+`activation` is "none" or "swish". `maxpool2d_fwd(..., return_indices=True)` is its own op,
+`maxpool2d_fwd_with_indices`, so that every op has a fixed number of outputs.
+
+Kernels:
+- CUDA: the ckgen op (zero-copy, torch's current stream). A problem that ckgen's dispatcher
+  cannot serve (no config of the tuning space runs it, e.g. more than 2048 channels per group
+  in channels-last), or a GPU ckgen cannot use (CuPy missing), runs the PyTorch computation
+  below instead, logged once with the reason (`fallbacks()` lists them).
+- CPU: the PyTorch computation (float32 math, same outputs, layouts and dtypes). It is what
+  lets the fake kernels, autograd formulas and `torch.library.opcheck` be tested without a GPU;
+  the modules in `ckgen.torch` run nn's own op on CPU tensors instead.
+- Fake (meta): output shapes, strides and dtypes exactly as the real op returns them: the
+  input's layout (NCHW-contiguous, else channels-last), float32 (N, G) mean/rstd, int64 indices.
+
+Autograd (`register_autograd`): groupnorm_fwd saves x, gamma, mean and rstd (and beta with
+swish: the backward kernels recompute the swish input from them); max pooling saves x, plus the
+indices for `maxpool2d_fwd_with_indices` (else the backward recomputes the argmax from x); avg
+pooling saves nothing. mean, rstd and indices are not differentiable. The backward ops have no
+backward: a double backward raises `DoubleBackwardError`.
+"""
+# No `from __future__ import annotations`: custom_op reads the real type hints.
+import logging
+import threading
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger("ckgen")
+
+NAMESPACE = "ckgen"
+_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+class DoubleBackwardError(RuntimeError):
+    """A gradient of a ckgen backward was asked for (create_graph=True, then backward again)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallback notices: once per (op, reason), counted
+# ---------------------------------------------------------------------------------------------
+_lock = threading.Lock()
+_fallbacks: dict[tuple[str, str], int] = {}
+
+
+def note_fallback(op: str, reason: str) -> None:
+    """Count a fallback to PyTorch and log it the first time for this (op, reason)."""
+    with _lock:
+        n = _fallbacks.get((op, reason), 0)
+        _fallbacks[(op, reason)] = n + 1
+    if n == 0:
+        from .. import settings
+
+        if not settings.quiet():
+            log.warning("ckgen.torch: %s runs PyTorch's op instead of ckgen: %s", op, reason)
+
+
+def fallbacks() -> dict[tuple[str, str], int]:
+    """{(op, reason): count} of every call that ran PyTorch instead of ckgen, in this process
+    (eager calls; under torch.compile the module-level choice is made once, at trace time)."""
+    with _lock:
+        return dict(_fallbacks)
+
+
+def reset_fallbacks() -> None:
+    """Forget the counts (the next fallback of each kind is logged again)."""
+    with _lock:
+        _fallbacks.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers (ckgen's rule: NCHW-contiguous wins when a tensor is both)
+# ---------------------------------------------------------------------------------------------
+def memory_format_of(x: Tensor, arg: str = "x") -> torch.memory_format:
+    """torch.contiguous_format for an NCHW-contiguous 4-D tensor, torch.channels_last for a
+    channels-last one; ValueError (like ckgen's) otherwise."""
+    if x.dim() != 4:
+        raise ValueError(f"{arg}: expected a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}")
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    raise ValueError(f"{arg}: strides {tuple(x.stride())} are neither NCHW-contiguous nor channels-last; "
+                     f"call .contiguous() or .contiguous(memory_format=torch.channels_last)")
+
+
+def _layout(x: Tensor) -> str:
+    return "nchw" if memory_format_of(x) == torch.contiguous_format else "nhwc"
+
+
+def _empty(shape, like: Tensor, fmt: torch.memory_format, dtype: Optional[torch.dtype] = None) -> Tensor:
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=fmt)
+
+
+def _act(activation: str) -> Optional[str]:
+    if activation not in ("none", "swish"):
+        raise ValueError(f"activation: expected 'none' or 'swish', got {activation!r}")
+    return None if activation == "none" else activation
+
+
+def _pair(v, arg: str) -> tuple[int, int]:
+    v = list(v)
+    if len(v) == 1:
+        v = v * 2
+    if len(v) != 2:
+        raise ValueError(f"{arg}: expected an int or a pair of ints, got {v!r}")
+    return v[0], v[1]
+
+
+def pool_out_size(size, k: int, s: int, p: int, d: int, ceil_mode: bool):
+    """PyTorch's pooling_output_shape (works on SymInts)."""
+    out = (size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out = out - 1
+    return out
+
+
+def _pool_out_shape(x: Tensor, kernel_size, stride, padding, dilation, ceil_mode) -> tuple:
+    N, C, H, W = x.shape
+    (kh, kw), (sh, sw) = _pair(kernel_size, "kernel_size"), _pair(stride, "stride")
+    (ph, pw), (dh, dw) = _pair(padding, "padding"), _pair(dilation, "dilation")
+    if ph > kh // 2 or pw > kw // 2:
+        raise ValueError(f"padding: {(ph, pw)} must be at most half the kernel size {(kh, kw)} (PyTorch's rule)")
+    return N, C, pool_out_size(H, kh, sh, ph, dh, ceil_mode), pool_out_size(W, kw, sw, pw, dw, ceil_mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Does ckgen serve this problem on this GPU? (cached; a "no" names the reason)
+# ---------------------------------------------------------------------------------------------
+_served: dict[tuple, Optional[str]] = {}
+
+
+def _not_served(op_name: str, x: Tensor, **fields) -> Optional[str]:
+    """None when ckgen runs `op_name` for this problem on x's GPU; else why not. Argument errors
+    are left to the ckgen call itself (it raises them with the argument's name)."""
+    dt = _DTYPES.get(x.dtype)
+    if dt is None or x.dim() != 4 or x.numel() == 0:
+        return None  # ckgen raises the argument error
+    try:
+        layout = _layout(x)
+    except ValueError:
+        return None
+    fields = dict(N=x.shape[0], C=x.shape[1], H=x.shape[2], W=x.shape[3], dtype=dt, layout=layout, **fields)
+    key = (op_name, x.device.index, tuple(sorted(fields.items())))
+    hit = _served.get(key, False)
+    if hit is not False:
+        return hit
+    why: Optional[str] = None
+    try:
+        from ..target import device_info
+
+        arch = device_info(x.device.index or 0).target.arch
+    except Exception as e:  # CuPy missing or unusable
+        why = f"ckgen cannot use this GPU ({e.__class__.__name__}: {e})"
+    if why is None:
+        import ckgen
+        from ..ops import get_op
+
+        try:
+            get_op(op_name).parse_problem(**fields)
+        except (ValueError, TypeError):
+            why = None  # an argument error: the ckgen call raises it
+        else:
+            try:
+                ckgen.explain(op_name, arch=arch, **fields)
+            except ValueError as e:
+                why = str(e)
+    _served[key] = why
+    return why
+
+
+def _pool_fields(kernel_size, stride, padding, dilation=None, ceil_mode=False) -> dict:
+    f = dict(kernel=_pair(kernel_size, "kernel_size"), stride=_pair(stride, "stride"),
+             padding=_pair(padding, "padding"), ceil_mode=bool(ceil_mode))
+    if dilation is not None:
+        f["dilation"] = _pair(dilation, "dilation")
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# The PyTorch computations (CPU kernels, and the CUDA fallback); float32 math
+# ---------------------------------------------------------------------------------------------
+def _acc(x: Tensor) -> torch.dtype:
+    """float32 math, float64 for float64 inputs (the CPU kernels also take float64, for gradcheck)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def ref_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float,
+                      activation: str) -> tuple[Tensor, Tensor, Tensor]:
+    fmt = memory_format_of(x)
+    N, C, H, W = x.shape
+    acc = _acc(x)
+    xf = x.to(acc).reshape(N, groups, -1)
+    mean = xf.mean(-1)
+    rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
+    y = ((xf - mean[..., None]) * rstd[..., None]).reshape(N, C, H, W)
+    if gamma is not None:
+        y = y * gamma.to(acc).reshape(1, C, 1, 1)
+    if beta is not None:
+        y = y + beta.to(acc).reshape(1, C, 1, 1)
+    if _act(activation):
+        y = F.silu(y)
+    return y.to(x.dtype).contiguous(memory_format=fmt), mean.float().contiguous(), rstd.float().contiguous()
+
+
+def _ref_groupnorm_bwd_all(dy, x, mean, rstd, gamma, beta, groups, activation):
+    fmt = memory_format_of(x)
+    N, C, H, W = x.shape
+    G = groups
+    acc = _acc(x)
+    xf, dyf = x.to(acc), dy.to(acc)
+    m = mean.to(acc).reshape(N, G, 1).expand(N, G, C // G).reshape(N, C, 1, 1)
+    r = rstd.to(acc).reshape(N, G, 1).expand(N, G, C // G).reshape(N, C, 1, 1)
+    xhat = (xf - m) * r
+    g = gamma.to(acc).reshape(1, C, 1, 1) if gamma is not None else None
+    if _act(activation):
+        z = xhat * g if g is not None else xhat
+        if beta is not None:
+            z = z + beta.to(acc).reshape(1, C, 1, 1)
+        s = torch.sigmoid(z)
+        dyf = dyf * (s * (1 + z * (1 - s)))
+    dbeta = dyf.sum((0, 2, 3))
+    dgamma = (dyf * xhat).sum((0, 2, 3))
+    gd = (dyf * g if g is not None else dyf).reshape(N, G, -1)
+    xh = xhat.reshape(N, G, -1)
+    dx = rstd.to(acc).reshape(N, G, 1) * (gd - gd.mean(-1, keepdim=True) - xh * (gd * xh).mean(-1, keepdim=True))
+    dx = dx.reshape(N, C, H, W).to(x.dtype).contiguous(memory_format=fmt)
+    return dx, dgamma.to(x.dtype), dbeta.to(x.dtype)
+
+
+def ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
+    return _ref_groupnorm_bwd_all(dy, x, mean, rstd, gamma, beta, groups, activation)
+
+
+def ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode):
+    fmt = memory_format_of(x)
+    y, idx = F.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode,
+                          return_indices=True)
+    return y.contiguous(memory_format=fmt), idx.contiguous(memory_format=fmt)
+
+
+def ref_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    fmt = memory_format_of(x)
+    if indices is None:
+        _, indices = F.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode,
+                                  return_indices=True)
+    dx = torch.ops.aten.max_pool2d_with_indices_backward(dy, x, list(kernel_size), list(stride), list(padding),
+                                                         list(dilation), ceil_mode, indices)
+    return dx.contiguous(memory_format=fmt)
+
+
+def ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    fmt = memory_format_of(x)
+    y = F.avg_pool2d(x, list(kernel_size), list(stride), list(padding), ceil_mode, count_include_pad,
+                     divisor_override)
+    return y.contiguous(memory_format=fmt)
+
+
+def ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    fmt = memory_format_of(x)
+    dx = torch.ops.aten.avg_pool2d_backward(dy, x, list(kernel_size), list(stride), list(padding), ceil_mode,
+                                            count_include_pad, divisor_override)
+    return dx.contiguous(memory_format=fmt)
+
+
+# ---------------------------------------------------------------------------------------------
+# GroupNorm ops
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("ckgen::groupnorm_fwd", mutates_args=(), device_types="cuda")
+def groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float = 1e-5,
+                  activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+    why = _not_served("groupnorm_fwd", x, G=groups, activation=activation)
+    if why:
+        note_fallback("ckgen::groupnorm_fwd", why)
+        return ref_groupnorm_fwd(x, gamma, beta, groups, eps, activation)
+    import ckgen
+
+    return ckgen.groupnorm_fwd(x, gamma, beta, groups, eps=eps, activation=_act(activation))
+
+
+@groupnorm_fwd.register_kernel("cpu")
+def _(x, gamma, beta, groups, eps=1e-5, activation="none"):
+    return ref_groupnorm_fwd(x, gamma, beta, groups, eps, activation)
+
+
+def _check_groups(x: Tensor, groups: int) -> None:
+    if groups < 1 or x.shape[1] % groups:
+        raise ValueError(f"groups: C={x.shape[1]} is not divisible by groups={groups}")
+
+
+@groupnorm_fwd.register_fake
+def _(x, gamma, beta, groups, eps=1e-5, activation="none"):
+    fmt = memory_format_of(x)
+    _check_groups(x, groups)
+    _act(activation)
+    N = x.shape[0]
+    return (_empty(x.shape, x, fmt), x.new_empty((N, groups), dtype=torch.float32),
+            x.new_empty((N, groups), dtype=torch.float32))
+
+
+def _bwd_not_served(op_name: str, x: Tensor, groups: int, activation: str) -> Optional[str]:
+    return _not_served(op_name, x, G=groups, activation=activation)
+
+
+@torch.library.custom_op("ckgen::groupnorm_bwd", mutates_args=(), device_types="cuda")
+def groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
+                  beta: Optional[Tensor] = None, activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+    why = _bwd_not_served("groupnorm_bwd", x, groups, activation)
+    if why:
+        note_fallback("ckgen::groupnorm_bwd", why)
+        return ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)
+    import ckgen
+
+    return ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation=_act(activation))
+
+
+@groupnorm_bwd.register_kernel("cpu")
+def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
+    return ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)
+
+
+@groupnorm_bwd.register_fake
+def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
+    fmt = memory_format_of(x)
+    _check_groups(x, groups)
+    C = x.shape[1]
+    return _empty(x.shape, x, fmt), x.new_empty((C,)), x.new_empty((C,))
+
+
+@torch.library.custom_op("ckgen::groupnorm_bwd_data", mutates_args=(), device_types="cuda")
+def groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
+                       beta: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    why = _bwd_not_served("groupnorm_bwd_data", x, groups, activation)
+    if why:
+        note_fallback("ckgen::groupnorm_bwd_data", why)
+        return ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)[0]
+    import ckgen
+
+    return ckgen.groupnorm_bwd_data(dy, x, mean, rstd, gamma, groups, beta, activation=_act(activation))
+
+
+@groupnorm_bwd_data.register_kernel("cpu")
+def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
+    return ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)[0]
+
+
+@groupnorm_bwd_data.register_fake
+def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
+    fmt = memory_format_of(x)
+    _check_groups(x, groups)
+    return _empty(x.shape, x, fmt)
+
+
+@torch.library.custom_op("ckgen::groupnorm_bwd_gamma_beta", mutates_args=(), device_types="cuda")
+def groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, groups: int,
+                             gamma: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+                             activation: str = "none") -> tuple[Tensor, Tensor]:
+    why = _bwd_not_served("groupnorm_bwd_gamma_beta", x, groups, activation)
+    if why:
+        note_fallback("ckgen::groupnorm_bwd_gamma_beta", why)
+        return ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)[1:]
+    import ckgen
+
+    return ckgen.groupnorm_bwd_gamma_beta(dy, x, mean, rstd, groups, gamma, beta, activation=_act(activation))
+
+
+@groupnorm_bwd_gamma_beta.register_kernel("cpu")
+def _(dy, x, mean, rstd, groups, gamma=None, beta=None, activation="none"):
+    return ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)[1:]
+
+
+@groupnorm_bwd_gamma_beta.register_fake
+def _(dy, x, mean, rstd, groups, gamma=None, beta=None, activation="none"):
+    memory_format_of(x)
+    _check_groups(x, groups)
+    C = x.shape[1]
+    return x.new_empty((C,)), x.new_empty((C,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling ops
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("ckgen::maxpool2d_fwd", mutates_args=(), device_types="cuda")
+def maxpool2d_fwd(x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int], dilation: list[int],
+                  ceil_mode: bool) -> Tensor:
+    why = _not_served("maxpool2d_fwd", x, return_indices=False,
+                      **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
+    if why:
+        note_fallback("ckgen::maxpool2d_fwd", why)
+        return ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)[0]
+    import ckgen
+
+    return ckgen.maxpool2d_fwd(x, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), ceil_mode)
+
+
+@maxpool2d_fwd.register_kernel("cpu")
+def _(x, kernel_size, stride, padding, dilation, ceil_mode):
+    return ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)[0]
+
+
+@maxpool2d_fwd.register_fake
+def _(x, kernel_size, stride, padding, dilation, ceil_mode):
+    fmt = memory_format_of(x)
+    return _empty(_pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode), x, fmt)
+
+
+@torch.library.custom_op("ckgen::maxpool2d_fwd_with_indices", mutates_args=(), device_types="cuda")
+def maxpool2d_fwd_with_indices(x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
+                               dilation: list[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
+    why = _not_served("maxpool2d_fwd", x, return_indices=True,
+                      **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
+    if why:
+        note_fallback("ckgen::maxpool2d_fwd_with_indices", why)
+        return ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
+    import ckgen
+
+    return ckgen.maxpool2d_fwd(x, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), ceil_mode,
+                               return_indices=True)
+
+
+@maxpool2d_fwd_with_indices.register_kernel("cpu")
+def _(x, kernel_size, stride, padding, dilation, ceil_mode):
+    return ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@maxpool2d_fwd_with_indices.register_fake
+def _(x, kernel_size, stride, padding, dilation, ceil_mode):
+    fmt = memory_format_of(x)
+    shape = _pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode)
+    return _empty(shape, x, fmt), _empty(shape, x, fmt, torch.int64)
+
+
+@torch.library.custom_op("ckgen::maxpool2d_bwd", mutates_args=(), device_types="cuda")
+def maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
+                  dilation: list[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
+    why = _not_served("maxpool2d_bwd", x, indices="recompute" if indices is None else "stored",
+                      **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
+    if why:
+        note_fallback("ckgen::maxpool2d_bwd", why)
+        return ref_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
+    import ckgen
+
+    return ckgen.maxpool2d_bwd(dy, x, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), ceil_mode,
+                               indices=indices)
+
+
+@maxpool2d_bwd.register_kernel("cpu")
+def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
+    return ref_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
+
+
+@maxpool2d_bwd.register_fake
+def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
+    fmt = memory_format_of(x)
+    _pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode)
+    return _empty(x.shape, x, fmt)
+
+
+@torch.library.custom_op("ckgen::avgpool2d_fwd", mutates_args=(), device_types="cuda")
+def avgpool2d_fwd(x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int], ceil_mode: bool,
+                  count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+    why = _not_served("avgpool2d_fwd", x, count_include_pad=bool(count_include_pad),
+                      divisor_override=divisor_override, **_pool_fields(kernel_size, stride, padding, None, ceil_mode))
+    if why:
+        note_fallback("ckgen::avgpool2d_fwd", why)
+        return ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    import ckgen
+
+    return ckgen.avgpool2d_fwd(x, tuple(kernel_size), tuple(stride), tuple(padding), ceil_mode, count_include_pad,
+                               divisor_override)
+
+
+@avgpool2d_fwd.register_kernel("cpu")
+def _(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+    return ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@avgpool2d_fwd.register_fake
+def _(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+    fmt = memory_format_of(x)
+    return _empty(_pool_out_shape(x, kernel_size, stride, padding, (1, 1), ceil_mode), x, fmt)
+
+
+@torch.library.custom_op("ckgen::avgpool2d_bwd", mutates_args=(), device_types="cuda")
+def avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
+                  ceil_mode: bool, count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+    why = _not_served("avgpool2d_bwd", x, count_include_pad=bool(count_include_pad),
+                      divisor_override=divisor_override, **_pool_fields(kernel_size, stride, padding, None, ceil_mode))
+    if why:
+        note_fallback("ckgen::avgpool2d_bwd", why)
+        return ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    import ckgen
+
+    return ckgen.avgpool2d_bwd(dy, x, tuple(kernel_size), tuple(stride), tuple(padding), ceil_mode, count_include_pad,
+                               divisor_override)
+
+
+@avgpool2d_bwd.register_kernel("cpu")
+def _(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+    return ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+@avgpool2d_bwd.register_fake
+def _(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
+    fmt = memory_format_of(x)
+    _pool_out_shape(x, kernel_size, stride, padding, (1, 1), ceil_mode)
+    return _empty(x.shape, x, fmt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+def _needs(ctx, i: int) -> bool:
+    n = ctx.needs_input_grad
+    return i < len(n) and bool(n[i])
+
+
+def _like(g: Tensor, x_or_fmt, dtype: torch.dtype) -> Tensor:
+    """An incoming gradient in the dtype and memory layout the backward kernel needs."""
+    fmt = x_or_fmt if isinstance(x_or_fmt, torch.memory_format) else memory_format_of(x_or_fmt)
+    return g.to(dtype).contiguous(memory_format=fmt)
+
+
+def _gn_setup(ctx, inputs, output):
+    x, gamma, beta = inputs[0], inputs[1], inputs[2]
+    groups = inputs[3]
+    activation = inputs[5] if len(inputs) > 5 else "none"
+    _, mean, rstd = output
+    ctx.groups, ctx.activation = groups, activation
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, gamma, beta if activation == "swish" else None, mean, rstd)
+
+
+def _gn_backward(ctx, dy, _dmean, _drstd):
+    x, gamma, beta, mean, rstd = ctx.saved_tensors
+    need_x, need_g, need_b = _needs(ctx, 0), _needs(ctx, 1), _needs(ctx, 2)
+    dx = dgamma = dbeta = None
+    dy = _like(dy, x, x.dtype)
+    G, act = ctx.groups, ctx.activation
+    if need_x and (need_g or need_b):
+        dx, dgamma, dbeta = groupnorm_bwd(dy, x, mean, rstd, gamma, G, beta, act)
+    elif need_x:
+        dx = groupnorm_bwd_data(dy, x, mean, rstd, gamma, G, beta, act)
+    elif need_g or need_b:
+        dgamma, dbeta = groupnorm_bwd_gamma_beta(dy, x, mean, rstd, G, gamma, beta, act)
+    return dx, dgamma if need_g else None, dbeta if need_b else None, None, None, None
+
+
+groupnorm_fwd.register_autograd(_gn_backward, setup_context=_gn_setup)
+
+
+def _max_setup(ctx, inputs, output):
+    x, kernel_size, stride, padding, dilation, ceil_mode = inputs
+    ctx.params = (list(kernel_size), list(stride), list(padding), list(dilation), bool(ceil_mode))
+    if isinstance(output, tuple):
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(x, output[1])
+    else:
+        ctx.save_for_backward(x, None)
+
+
+def _max_backward(ctx, dy, *_didx):
+    x, indices = ctx.saved_tensors
+    if not _needs(ctx, 0):
+        return None, None, None, None, None, None
+    dx = maxpool2d_bwd(_like(dy, x, x.dtype), x, *ctx.params, indices)
+    return dx, None, None, None, None, None
+
+
+maxpool2d_fwd.register_autograd(_max_backward, setup_context=_max_setup)
+maxpool2d_fwd_with_indices.register_autograd(_max_backward, setup_context=_max_setup)
+
+
+def _avg_setup(ctx, inputs, output):
+    x, kernel_size, stride, padding, ceil_mode, count_include_pad = inputs[:6]
+    divisor_override = inputs[6] if len(inputs) > 6 else None
+    ctx.params = (list(kernel_size), list(stride), list(padding), bool(ceil_mode), bool(count_include_pad),
+                  divisor_override)
+    # Nothing saved: the backward needs only x's shape, dtype, device and layout.
+    ctx.x_meta = (tuple(x.shape), x.dtype, x.device, memory_format_of(x))
+
+
+def _avg_backward(ctx, dy):
+    shape, dtype, device, fmt = ctx.x_meta
+    if not _needs(ctx, 0):
+        return None, None, None, None, None, None, None
+    x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read
+    dx = avgpool2d_bwd(_like(dy, fmt, dtype), x_like, *ctx.params)
+    return dx, None, None, None, None, None, None
+
+
+avgpool2d_fwd.register_autograd(_avg_backward, setup_context=_avg_setup)
+
+
+def _no_double_backward(name: str):
+    def backward(ctx, *grads):
+        raise DoubleBackwardError(
+            f"ckgen::{name} has no backward: ckgen does not support double backward (a gradient of "
+            f"a gradient, e.g. backward(create_graph=True) then backward again, or gradient penalties). "
+            f"Run that part of the model with PyTorch's own modules (leave them out of ckgen.torch.convert).")
+
+    def setup(ctx, inputs, output):
+        pass
+
+    return backward, setup
+
+
+for _op in (groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, maxpool2d_bwd, avgpool2d_bwd):
+    _b, _s = _no_double_backward(_op._name.split("::")[-1])
+    _op.register_autograd(_b, setup_context=_s)
+
+
+ALL_OPS = {op._name.split("::")[-1]: op for op in (
+    groupnorm_fwd, groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, maxpool2d_fwd,
+    maxpool2d_fwd_with_indices, maxpool2d_bwd, avgpool2d_fwd, avgpool2d_bwd)}

@@ -178,7 +178,6 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
             check = _fx_check(m, pat.norm, pat.act) if "groupnorm_swish" in want else None
             if check is not None and not check.startswith("unverified"):
                 report._add(False, pre + pat.norm, gn, "", f"pattern not fused: {check}")
-                done.add(id(gn))
                 continue
             fuse(pre + pat.norm, gn, pre + pat.act, act, "user pattern" + (f"; {check}" if check else ", checked on "
                                                                            "the torch.fx trace"))

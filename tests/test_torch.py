@@ -1,0 +1,718 @@
+"""CPU tier of ckgen.torch: registration, fake (meta) kernels and shape inference, opcheck and
+gradcheck against the ops' CPU kernels (PyTorch's computation), the modules' CPU fallback
+against nn, state_dict round trips, convert and its report, torch.compile(fullgraph=True) on
+the CPU, and that `import ckgen` does not import torch."""
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import ckgen.torch as ct  # noqa: E402
+from ckgen.torch import functional as CF  # noqa: E402
+from ckgen.torch import ops as O  # noqa: E402
+
+CL = torch.channels_last
+FORMATS = {"nchw": torch.contiguous_format, "nhwc": CL}
+OP_NAMES = ["groupnorm_fwd", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta", "maxpool2d_fwd",
+            "maxpool2d_fwd_with_indices", "maxpool2d_bwd", "avgpool2d_fwd", "avgpool2d_bwd"]
+
+
+@pytest.fixture
+def route_cpu(monkeypatch):
+    """CPU tensors go through the ckgen custom ops (their CPU kernels) instead of nn's op."""
+    monkeypatch.setattr(CF, "_ROUTE_CPU", True)
+    ct.reset_fallbacks()
+    yield
+    ct.reset_fallbacks()
+
+
+def _x(shape=(2, 8, 9, 11), dtype=torch.float32, layout="nchw", seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=FORMATS[layout])
+    return x.requires_grad_(requires_grad)
+
+
+def _distinct(shape=(2, 4, 9, 11), dtype=torch.float64, layout="nchw", seed=0):
+    """Values with no ties (max pooling's gradient is then well defined for gradcheck)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    x = (torch.randperm(n, generator=g).to(torch.float64) / n).reshape(shape)
+    return x.to(dtype).contiguous(memory_format=FORMATS[layout])
+
+
+# ---------------------------------------------------------------------------------------------
+# import boundary
+# ---------------------------------------------------------------------------------------------
+def test_import_ckgen_does_not_import_torch():
+    code = ("import sys, ckgen, ckgen.cli, ckgen.dispatch, ckgen.pool_api\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
+            "import ckgen.torch\nassert 'torch' in sys.modules and hasattr(sys.modules['torch'], 'ops')\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# registration and schemas
+# ---------------------------------------------------------------------------------------------
+def test_every_op_is_registered_under_the_ckgen_namespace():
+    for name in OP_NAMES:
+        packet = getattr(torch.ops.ckgen, name)
+        assert packet.default._schema.name == f"ckgen::{name}"
+    s = str(torch.ops.ckgen.groupnorm_fwd.default._schema)
+    assert s.startswith("ckgen::groupnorm_fwd(Tensor x, Tensor? gamma, Tensor? beta, SymInt groups, float eps=")
+    assert s.endswith('str activation="none") -> (Tensor, Tensor, Tensor)')
+    assert "Tensor? indices=None" in str(torch.ops.ckgen.maxpool2d_bwd.default._schema)
+    assert "SymInt? divisor_override=None" in str(torch.ops.ckgen.avgpool2d_fwd.default._schema)
+    assert set(O.ALL_OPS) == set(OP_NAMES)
+
+
+# ---------------------------------------------------------------------------------------------
+# fake (meta) kernels: shapes, strides, dtypes as the real op returns them
+# ---------------------------------------------------------------------------------------------
+def _meta(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _same_meta(a, b):
+    assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype, (a.shape, a.stride(), a.dtype,
+                                                                                   b.shape, b.stride(), b.dtype)
+
+
+def _sample_calls(x):
+    """(op name, args) for every op on x, args of the backward ops consistent with the forward."""
+    C = x.shape[1]
+    g = torch.randn(C, dtype=x.dtype)
+    b = torch.randn(C, dtype=x.dtype)
+    y, mean, rstd = torch.ops.ckgen.groupnorm_fwd(x, g, b, 4, 1e-5, "swish")
+    dy = torch.randn_like(y)
+    mp = ([3, 3], [2, 2], [1, 1], [1, 1], True)
+    yp, idx = torch.ops.ckgen.maxpool2d_fwd_with_indices(x, *mp)
+    dyp = torch.randn_like(yp)
+    ap = ([3, 2], [2, 2], [1, 0], False, False, None)
+    ya = torch.ops.ckgen.avgpool2d_fwd(x, *ap)
+    return [
+        ("groupnorm_fwd", (x, g, b, 4, 1e-5, "swish")),
+        ("groupnorm_fwd", (x, None, None, 4, 1e-3, "none")),
+        ("groupnorm_bwd", (dy, x, mean, rstd, g, 4, b, "swish")),
+        ("groupnorm_bwd_data", (dy, x, mean, rstd, None, 4, None, "none")),
+        ("groupnorm_bwd_gamma_beta", (dy, x, mean, rstd, 4, g, b, "swish")),
+        ("maxpool2d_fwd", (x, *mp)),
+        ("maxpool2d_fwd_with_indices", (x, *mp)),
+        ("maxpool2d_bwd", (dyp, x, *mp, idx)),
+        ("maxpool2d_bwd", (dyp, x, *mp, None)),
+        ("avgpool2d_fwd", (x, *ap)),
+        ("avgpool2d_bwd", (torch.randn_like(ya), x, *ap)),
+    ]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_meta_outputs_match_the_real_kernel(layout, dtype):
+    x = _x(dtype=dtype, layout=layout)
+    for name, args in _sample_calls(x):
+        op = getattr(torch.ops.ckgen, name)
+        real = op(*args)
+        fake = op(*[_meta(a) if isinstance(a, torch.Tensor) else a for a in args])
+        real = real if isinstance(real, tuple) else (real,)
+        fake = fake if isinstance(fake, tuple) else (fake,)
+        assert len(real) == len(fake)
+        for r, f in zip(real, fake):
+            assert f.device.type == "meta"
+            _same_meta(r, f)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_fake_shapes_layouts_and_dtypes(layout):
+    fmt = FORMATS[layout]
+    x = torch.empty(4, 64, 17, 16, device="meta", dtype=torch.bfloat16).contiguous(memory_format=fmt)
+    y, mean, rstd = torch.ops.ckgen.groupnorm_fwd(x, None, None, 8, 1e-5, "swish")
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=fmt)
+    assert mean.shape == rstd.shape == (4, 8) and mean.dtype == rstd.dtype == torch.float32 and mean.is_contiguous()
+    dx, dg, db = torch.ops.ckgen.groupnorm_bwd(y, x, mean, rstd, None, 8)
+    assert dx.is_contiguous(memory_format=fmt) and dg.shape == db.shape == (64,) and dg.dtype == torch.bfloat16
+    for ceil, want in ((False, (9, 8)), (True, (9, 9))):
+        y, idx = torch.ops.ckgen.maxpool2d_fwd_with_indices(x, [3, 3], [2, 2], [1, 1], [1, 1], ceil)
+        ref = F.max_pool2d(torch.empty(4, 64, 17, 16, device="meta"), 3, 2, 1, ceil_mode=ceil)
+        assert y.shape == ref.shape == (4, 64, *want)
+        assert idx.dtype == torch.int64 and idx.is_contiguous(memory_format=fmt) and y.is_contiguous(memory_format=fmt)
+    y = torch.ops.ckgen.maxpool2d_fwd(x, [2, 2], [1, 1], [0, 0], [3, 2], False)  # dilation
+    assert y.shape == (4, 64, 14, 14)
+    y = torch.ops.ckgen.avgpool2d_fwd(x, [5, 3], [3, 2], [2, 1], True, False, 7)
+    assert y.shape == F.avg_pool2d(torch.empty(4, 64, 17, 16, device="meta"), (5, 3), (3, 2), (2, 1), True).shape
+
+
+def test_fake_tensor_mode_shape_inference():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    x = mode.from_tensor(_x((3, 32, 20, 20), torch.float16, "nhwc"))
+    with mode:
+        y = torch.ops.ckgen.maxpool2d_fwd(x, [3, 3], [2, 2], [1, 1], [1, 1], False)
+        z = torch.ops.ckgen.avgpool2d_fwd(y, [2, 2], [2, 2], [0, 0], False, True, None)
+        n, mean, _ = torch.ops.ckgen.groupnorm_fwd(z, None, None, 8, 1e-5, "none")
+    assert y.shape == (3, 32, 10, 10) and z.shape == (3, 32, 5, 5) and n.shape == z.shape
+    assert n.is_contiguous(memory_format=CL) and mean.shape == (3, 8)
+
+
+@pytest.mark.parametrize("call,exc,word", [
+    (lambda x: torch.ops.ckgen.groupnorm_fwd(x[:, :, ::2], None, None, 4), ValueError, "x"),
+    (lambda x: torch.ops.ckgen.groupnorm_fwd(x, None, None, 3), ValueError, "groups"),
+    (lambda x: torch.ops.ckgen.groupnorm_fwd(x, None, None, 4, 1e-5, "relu"), ValueError, "activation"),
+    (lambda x: torch.ops.ckgen.maxpool2d_fwd(x, [2, 2], [2, 2], [2, 2], [1, 1], False), ValueError, "padding"),
+    (lambda x: torch.ops.ckgen.groupnorm_fwd(x[0], None, None, 4), ValueError, "x"),
+])
+def test_fake_kernels_reject_what_ckgen_rejects(call, exc, word):
+    x = torch.empty(2, 8, 6, 6, device="meta")
+    with pytest.raises(exc) as ei:
+        call(x)
+    assert str(ei.value).startswith(word + ":"), str(ei.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# opcheck (schema, autograd registration, fake tensor, AOT dispatch with dynamic shapes)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_opcheck_every_op(layout):
+    x = _x((2, 8, 7, 9), torch.float32, layout)
+    calls = _sample_calls(x)
+    calls.append(("groupnorm_fwd", (x.detach().clone().requires_grad_(True), *calls[0][1][1:])))
+    x2 = _distinct((2, 8, 7, 9), torch.float32, layout).requires_grad_(True)
+    calls.append(("maxpool2d_fwd_with_indices", (x2, [3, 3], [2, 2], [1, 1], [1, 1], False)))
+    calls.append(("maxpool2d_fwd", (x2, [2, 3], [1, 2], [1, 0], [1, 1], True)))
+    calls.append(("avgpool2d_fwd", (x2, [3, 3], [2, 2], [1, 1], True, True, None)))
+    seen = set()
+    for name, args in calls:
+        res = torch.library.opcheck(getattr(torch.ops.ckgen, name).default, args)
+        assert all(v == "SUCCESS" for v in res.values()), (name, res)
+        seen.add(name)
+    assert seen == set(OP_NAMES)
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd: gradcheck in float64 (the CPU kernels take float64) and against PyTorch's autograd
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("act", ["none", "swish"])
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])
+def test_groupnorm_gradcheck(layout, act, affine):
+    x = _x((2, 6, 4, 5), torch.float64, layout).requires_grad_(True)
+    g = (1 + 0.3 * torch.randn(6, dtype=torch.float64)).requires_grad_(True) if affine[0] else None
+    b = (0.3 * torch.randn(6, dtype=torch.float64)).requires_grad_(True) if affine[1] else None
+    inputs = tuple(t for t in (x, g, b) if t is not None)
+
+    def f(*ts):
+        it = iter(ts)
+        xx = next(it)
+        gg = next(it) if g is not None else None
+        bb = next(it) if b is not None else None
+        return torch.ops.ckgen.groupnorm_fwd(xx, gg, bb, 3, 1e-5, act)[0]
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_pool_gradcheck(layout):
+    x = _distinct((2, 3, 7, 6), torch.float64, layout).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: torch.ops.ckgen.maxpool2d_fwd(t, [3, 3], [2, 2], [1, 1], [1, 1], True),
+                                    (x,), eps=1e-7)
+    assert torch.autograd.gradcheck(
+        lambda t: torch.ops.ckgen.maxpool2d_fwd_with_indices(t, [2, 2], [1, 2], [0, 1], [2, 1], False)[0], (x,), eps=1e-7)
+    assert torch.autograd.gradcheck(
+        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 2], [2, 1], [1, 1], True, False, None), (x,))
+    assert torch.autograd.gradcheck(
+        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, 5), (x,))
+
+
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True), (False, True, False),
+                                   (True, False, True)])
+def test_groupnorm_backward_picks_the_op_for_the_grads_needed(needs, route_cpu):
+    """x only -> groupnorm_bwd_data; gamma/beta only -> groupnorm_bwd_gamma_beta; both -> groupnorm_bwd;
+    the grads agree with PyTorch's autograd."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "ckgen":
+                self.names.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    x = _x((2, 8, 5, 5), layout="nhwc").requires_grad_(needs[0])
+    g = torch.randn(8).requires_grad_(needs[1])
+    b = torch.randn(8).requires_grad_(needs[2])
+    with Calls() as calls:
+        y = ct.group_norm(x, 4, g, b, activation="swish")
+        y.backward(torch.ones_like(y))
+    want = {(True, True): "groupnorm_bwd", (True, False): "groupnorm_bwd_data",
+            (False, True): "groupnorm_bwd_gamma_beta"}[(needs[0], needs[1] or needs[2])]
+    assert calls.names == ["groupnorm_fwd", want], calls.names
+    # (NCHW reference: PyTorch's CPU channels-last GroupNorm backward crashes when x needs no grad)
+    xr, gr, br = (t.detach().contiguous().requires_grad_(t.requires_grad) for t in (x, g, b))
+    F.silu(F.group_norm(xr, 4, gr, br)).backward(torch.ones_like(y))
+    for t, r in ((x, xr), (g, gr), (b, br)):
+        if r.requires_grad:
+            torch.testing.assert_close(t.grad, r.grad, atol=1e-5, rtol=1e-5)
+        else:
+            assert t.grad is None
+    assert x.grad is None or x.grad.is_contiguous(memory_format=CL)
+
+
+def test_double_backward_raises_a_clear_error():
+    x = _x((2, 4, 5, 5), torch.float64).requires_grad_(True)
+    y = torch.ops.ckgen.groupnorm_fwd(x, None, None, 2, 1e-5, "swish")[0]
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(ct.DoubleBackwardError, match="double backward"):
+        gx.sum().backward()
+    for fwd in (lambda t: torch.ops.ckgen.maxpool2d_fwd(t, [2, 2], [2, 2], [0, 0], [1, 1], False),
+                lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [2, 2], [2, 2], [0, 0], False, True, None)):
+        (gx,) = torch.autograd.grad(fwd(x).square().sum(), x, create_graph=True)
+        with pytest.raises(ct.DoubleBackwardError, match="ckgen::(maxpool2d|avgpool2d)_bwd has no backward"):
+            gx.sum().backward()
+
+
+def test_mean_rstd_and_indices_are_not_differentiable():
+    x = _x((2, 4, 6, 6)).requires_grad_(True)
+    y, mean, rstd = torch.ops.ckgen.groupnorm_fwd(x, None, None, 2, 1e-5, "none")
+    assert y.requires_grad and not mean.requires_grad and not rstd.requires_grad
+    y, idx = torch.ops.ckgen.maxpool2d_fwd_with_indices(x, [2, 2], [2, 2], [0, 0], [1, 1], False)
+    assert y.requires_grad and not idx.requires_grad and idx.dtype == torch.int64
+
+
+# ---------------------------------------------------------------------------------------------
+# modules: CPU fallback = nn's op exactly; routed through the ops = nn within float tolerance
+# ---------------------------------------------------------------------------------------------
+def _pairs():
+    return [
+        (nn.GroupNorm(4, 16), ct.GroupNorm(4, 16), None),
+        (nn.GroupNorm(4, 16, affine=False), ct.GroupNorm(4, 16, affine=False), None),
+        (nn.Sequential(nn.GroupNorm(8, 16, eps=1e-3), nn.SiLU()), ct.GroupNormSwish(8, 16, eps=1e-3), None),
+        (nn.MaxPool2d(3, 2, 1), ct.MaxPool2d(3, 2, 1), None),
+        (nn.MaxPool2d((2, 3), (1, 2), (1, 0), dilation=(2, 1), ceil_mode=True),
+         ct.MaxPool2d((2, 3), (1, 2), (1, 0), dilation=(2, 1), ceil_mode=True, indices="recompute"), None),
+        (nn.MaxPool2d(2, return_indices=True), ct.MaxPool2d(2, return_indices=True), None),
+        (nn.AvgPool2d(3, 2, 1), ct.AvgPool2d(3, 2, 1), None),
+        (nn.AvgPool2d((3, 2), 2, (1, 1), ceil_mode=True, count_include_pad=False),
+         ct.AvgPool2d((3, 2), 2, (1, 1), ceil_mode=True, count_include_pad=False), None),
+        (nn.AvgPool2d(2, divisor_override=3), ct.AvgPool2d(2, divisor_override=3), None),
+    ]
+
+
+def _run(m, x):
+    x = x.detach().clone().requires_grad_(True)
+    out = m(x)
+    y = out[0] if isinstance(out, tuple) else out
+    y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype))
+    grads = [p.grad for p in m.parameters()]
+    return out, x.grad, grads
+
+
+def _load(ref, mine):
+    sd = ref.state_dict() if not isinstance(ref, nn.Sequential) else ref[0].state_dict()
+    mine.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        for p in mine.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    target = ref if not isinstance(ref, nn.Sequential) else ref[0]
+    target.load_state_dict(mine.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_modules_fall_back_to_nn_on_cpu(layout, caplog):
+    ct.reset_fallbacks()
+    x = _distinct((2, 16, 9, 10), torch.float32, layout)
+    with caplog.at_level(logging.WARNING, logger="ckgen"):
+        for ref, mine, _ in _pairs():
+            _load(ref, mine)
+            (out_r, gx_r, gp_r), (out_m, gx_m, gp_m) = _run(ref, x), _run(mine, x)
+            for a, b in zip(out_m if isinstance(out_m, tuple) else (out_m,),
+                            out_r if isinstance(out_r, tuple) else (out_r,)):
+                assert torch.equal(a, b), type(mine).__name__
+            assert torch.equal(gx_m, gx_r)
+            for a, b in zip(gp_m, gp_r):
+                assert torch.equal(a, b)
+        mine(x)  # a second call of the same kind is not logged again
+    notes = [r.getMessage() for r in caplog.records if "runs PyTorch's op" in r.getMessage()]
+    assert len(notes) == len(set(notes)) == 4, notes  # group_norm, group_norm+silu, max_pool2d, avg_pool2d
+    assert all("a CPU tensor" in n for n in notes)
+    assert all(n >= 1 for n in ct.fallbacks().values())
+
+
+# per dtype: (output and dx, dgamma/dbeta) against nn's module evaluated in float64
+_TOL = {torch.float32: (dict(atol=1e-5, rtol=1e-5), dict(atol=1e-4, rtol=1e-4)),
+        torch.bfloat16: (dict(atol=3e-2, rtol=1.6e-2), dict(atol=3e-2, rtol=1.6e-2))}
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_modules_through_the_ops_match_nn(layout, dtype, route_cpu):
+    x = _distinct((2, 16, 9, 10), dtype, layout)
+    for ref, mine, _ in _pairs():
+        _load(ref, mine)
+        ref, mine = ref.double(), mine.to(dtype)
+        (out_r, gx_r, gp_r), (out_m, gx_m, gp_m) = _run(ref, x.double()), _run(mine, x)
+        tol, ptol = _TOL[dtype]
+        outs_m = out_m if isinstance(out_m, tuple) else (out_m,)
+        outs_r = out_r if isinstance(out_r, tuple) else (out_r,)
+        for a, b in zip(outs_m, outs_r):
+            assert a.is_contiguous(memory_format=FORMATS[layout]), type(mine).__name__
+            if a.is_floating_point():
+                assert a.dtype == dtype
+                torch.testing.assert_close(a.double(), b, **tol)
+            else:
+                assert torch.equal(a, b)
+        torch.testing.assert_close(gx_m.double(), gx_r, **tol)
+        assert gx_m.is_contiguous(memory_format=FORMATS[layout])
+        for a, b in zip(gp_m, gp_r):
+            torch.testing.assert_close(a.double(), b, **ptol)
+    assert ct.fallbacks() == {}
+
+
+def test_max_pool_writes_indices_only_when_needed(route_cpu):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "ckgen":
+                self.names.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    x = _distinct((2, 4, 8, 8), torch.float32)
+    for indices, grad, ret, want in [
+        ("stored", True, False, ["maxpool2d_fwd_with_indices", "maxpool2d_bwd"]),
+        ("stored", False, False, ["maxpool2d_fwd"]),
+        ("recompute", True, False, ["maxpool2d_fwd", "maxpool2d_bwd"]),
+        ("recompute", True, True, ["maxpool2d_fwd_with_indices", "maxpool2d_bwd"]),
+        ("recompute", False, True, ["maxpool2d_fwd_with_indices"]),
+    ]:
+        m = ct.MaxPool2d(3, 2, 1, return_indices=ret, indices=indices)
+        xx = x.clone().requires_grad_(grad)
+        with Calls() as calls:
+            out = m(xx)
+            y = out[0] if ret else out
+            if grad:
+                y.sum().backward()
+        assert calls.names == want, (indices, grad, ret, calls.names)
+        ref = F.max_pool2d(x.clone().requires_grad_(True), 3, 2, 1)
+        torch.testing.assert_close(y, ref, atol=0, rtol=0)
+        if grad:
+            ref.sum().backward()
+    with torch.no_grad():
+        with Calls() as calls:
+            ct.MaxPool2d(2)(x.clone().requires_grad_(True))
+        assert calls.names == ["maxpool2d_fwd"]
+
+
+def _fallback_cases():
+    return [  # (module, input, nn's result, the reason ckgen gives)
+        (ct.GroupNorm(2, 4), torch.randn(2, 4, 10), lambda t: F.group_norm(t, 2), "a 3-D input"),
+        (ct.GroupNormSwish(2, 4).double(), torch.randn(2, 4, 3, 3, dtype=torch.float64),
+         lambda t: F.silu(F.group_norm(t, 2)), "dtype torch.float64"),
+        (ct.MaxPool2d(2), torch.randn(4, 6, 6), lambda t: F.max_pool2d(t, 2), "a 3-D input"),
+        (ct.AvgPool2d(2), torch.randn(2, 4, 6, 7).transpose(2, 3), lambda t: F.avg_pool2d(t, 2),
+         "neither NCHW-contiguous nor channels-last"),
+        (ct.MaxPool2d(2), torch.randn(0, 4, 6, 6), lambda t: F.max_pool2d(t, 2), "an empty input"),
+        (ct.AvgPool2d(3, divisor_override=0), torch.randn(1, 2, 6, 6), None, "divisor_override=0"),
+    ]
+
+
+@pytest.mark.parametrize("route", [False, True])
+def test_fallback_reasons_and_results(route, monkeypatch):
+    """On CPU the reason is the device; with CPU routed to the ops, the other reasons show. The
+    result is nn's (PyTorch's own error where PyTorch rejects the call)."""
+    monkeypatch.setattr(CF, "_ROUTE_CPU", route)
+    ct.reset_fallbacks()
+    for m, x, ref, why in _fallback_cases():
+        if ref is None:
+            with pytest.raises(RuntimeError):
+                m(x)
+        else:
+            torch.testing.assert_close(m(x), ref(x))
+    reasons = {w for _, w in ct.fallbacks()}
+    if not route:
+        assert reasons == {"a CPU tensor (ckgen runs on CUDA GPUs)"}
+    else:
+        for *_, why in _fallback_cases():
+            assert any(why in r for r in reasons), (why, reasons)
+    ct.reset_fallbacks()
+
+
+def test_pytorch_errors_come_from_pytorch(route_cpu):
+    with pytest.raises(RuntimeError, match="pad should be at most half"):
+        ct.MaxPool2d(2, padding=2)(torch.randn(1, 2, 8, 8))
+    with pytest.raises((RuntimeError, ValueError)):
+        ct.GroupNorm(2, 4)(torch.randn(1, 6, 3, 3))  # 6 channels for a 4-channel module
+
+
+def test_mixed_dtype_parameters_are_cast_to_the_input(route_cpu):
+    m = ct.GroupNormSwish(4, 16)  # float32 parameters
+    x = _x((2, 16, 6, 6), torch.bfloat16, "nhwc").requires_grad_(True)
+    y = m(x)
+    assert y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=CL)
+    y.float().sum().backward()
+    assert m.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    ref = F.silu(F.group_norm(x.detach().float(), 4, m.weight.detach(), m.bias.detach()))
+    torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=1.6e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# state_dict round trip
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [ct.GroupNorm, ct.GroupNormSwish])
+@pytest.mark.parametrize("affine", [True, False])
+def test_state_dict_round_trip_with_nn_groupnorm(cls, affine):
+    ref = nn.GroupNorm(8, 32, eps=1e-6, affine=affine)
+    if affine:
+        with torch.no_grad():
+            ref.weight.normal_()
+            ref.bias.normal_()
+    mine = cls(8, 32, eps=1e-6, affine=affine)
+    assert list(mine.state_dict()) == list(ref.state_dict())
+    assert mine.load_state_dict(ref.state_dict(), strict=True) is not None
+    back = nn.GroupNorm(8, 32, eps=1e-6, affine=affine)
+    back.load_state_dict(mine.state_dict(), strict=True)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v) and torch.equal(mine.state_dict()[k], v)
+    assert isinstance(mine, nn.GroupNorm) and mine.num_groups == 8 and mine.eps == 1e-6
+    assert repr(mine).startswith(cls.__name__ + "(8, 32, eps=1e-06")
+    # a whole model: nn -> convert -> state_dict -> a fresh nn model
+    model = nn.Sequential(nn.Conv2d(3, 32, 1), nn.GroupNorm(8, 32, affine=affine), nn.SiLU(), nn.MaxPool2d(2))
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    ct.convert(model)
+    assert list(model.state_dict()) == list(sd)
+    fresh = nn.Sequential(nn.Conv2d(3, 32, 1), nn.GroupNorm(8, 32, affine=affine), nn.SiLU(), nn.MaxPool2d(2))
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    for k, v in sd.items():
+        assert torch.equal(fresh.state_dict()[k], v)
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------
+class ResBlock(nn.Module):
+    """SD-style: norm1 -> act1 -> conv1 -> norm2 -> act2 -> conv2, plus the skip."""
+
+    def __init__(self, c, g=4):
+        super().__init__()
+        self.norm1, self.act1, self.conv1 = nn.GroupNorm(g, c), nn.SiLU(), nn.Conv2d(c, c, 3, padding=1)
+        self.norm2, self.act2, self.conv2 = nn.GroupNorm(g, c), nn.SiLU(), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(self.act2(self.norm2(self.conv1(self.act1(self.norm1(x))))))
+
+
+class SharedActBlock(nn.Module):
+    """One SiLU applied twice: fusing it into a norm would change the other use."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm, self.act, self.conv = nn.GroupNorm(4, c), nn.SiLU(), nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return self.act(self.conv(self.act(self.norm(x))))
+
+
+class ResidualAct(nn.Module):
+    """The SiLU takes norm(x) + x: not a GroupNorm -> SiLU pair."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm, self.act = nn.GroupNorm(4, c), nn.SiLU()
+
+    def forward(self, x):
+        return self.act(self.norm(x) + x)
+
+
+class GroupNorm32(nn.GroupNorm):
+    def forward(self, x):
+        return super().forward(x.float()).type(x.dtype)
+
+
+def _model():
+    shared_gn = nn.GroupNorm(4, 16)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.GroupNorm(4, 16), nn.SiLU(),                      # 1, 2: fused (Sequential)
+        nn.MaxPool2d(3, 2, 1),                               # 3
+        ResBlock(16),                                        # 4: fused by the pattern
+        SharedActBlock(16),                                  # 5: pattern refused (act used twice)
+        ResidualAct(16),                                     # 6: pattern refused by the fx check
+        nn.Sequential(shared_gn, nn.SiLU()),                 # 7: shared GroupNorm: not fused, replaced
+        nn.Sequential(GroupNorm32(4, 16), nn.SiLU()),        # 8: subclass: left
+        shared_gn,                                           # 9: the same module again
+        nn.AvgPool2d(2, count_include_pad=False),            # 10
+        nn.GroupNorm(2, 16, affine=False),                   # 11
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+
+
+def test_convert_replaces_fuses_and_reports(route_cpu):
+    torch.manual_seed(0)
+    model = _model()
+    ref = copy.deepcopy(model)
+    params_before = {n: p for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keys = list(model.state_dict())
+    pats = [ct.FusePattern(ResBlock, "norm1", "act1"), ct.FusePattern(ResBlock, "norm2", "act2"),
+            ct.FusePattern(SharedActBlock, "norm", "act"), ct.FusePattern(ResidualAct, "norm", "act")]
+    report = ct.convert(model, patterns=pats, max_pool_indices="recompute")
+    text = str(report)
+    rep = {e.name: e for e in report.replaced}
+    left = {e.name: e for e in report.left}
+    assert type(model[1]) is ct.GroupNormSwish and type(model[2]) is nn.Identity
+    assert rep["1"].result == "GroupNormSwish" and "consecutive in an nn.Sequential" in rep["1"].reason
+    assert type(model[3]) is ct.MaxPool2d and model[3].indices == "recompute"
+    assert type(model[4].norm1) is type(model[4].norm2) is ct.GroupNormSwish
+    assert type(model[4].act1) is type(model[4].act2) is nn.Identity
+    assert "checked on the torch.fx trace" in rep["4.norm1"].reason
+    assert type(model[5].norm) is ct.GroupNorm and type(model[5].act) is nn.SiLU
+    assert "calls norm 1x and act 2x" in left["5.norm"].reason
+    assert type(model[6].norm) is ct.GroupNorm and "not applied to norm's output alone" in left["6.norm"].reason
+    assert type(model[7][0]) is ct.GroupNorm and model[7][0] is model[9], "a shared module stays shared"
+    assert "more than one place" in left["7.0"].reason
+    assert type(model[8][0]) is GroupNorm32 and "subclass" in left["8.0"].reason
+    assert type(model[10]) is ct.AvgPool2d and model[10].count_include_pad is False
+    assert type(model[11]) is ct.GroupNorm and model[11].weight is None
+    assert "adaptive pooling" in left["12"].reason
+    assert "8.1" in left and "runs as PyTorch's SiLU" in left["8.1"].reason
+    assert report.counts()["GroupNorm -> GroupNormSwish"] == 3
+    assert "replaced" in text and "left" in text and "5.norm" in text
+    # parameters and buffers kept: same objects, same keys; the optimizer built before still works
+    assert {n: p for n, p in model.named_parameters()} == params_before
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    assert list(model.state_dict()) == keys
+    x = _x((2, 3, 12, 12), layout="nhwc")
+    torch.testing.assert_close(model(x), ref(x), atol=1e-5, rtol=1e-5)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    assert ct.fallbacks() == {}
+    # idempotent: a second convert replaces nothing and says why
+    again = ct.convert(model)
+    assert not again.replaced and any(e.reason == "already a ckgen module" for e in again.left)
+
+
+def test_convert_ops_subset_and_errors():
+    model = nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU(), nn.MaxPool2d(2), nn.AvgPool2d(2))
+    report = ct.convert(model, ops=["maxpool2d"])
+    assert type(model[0]) is nn.GroupNorm and type(model[1]) is nn.SiLU and type(model[3]) is nn.AvgPool2d
+    assert type(model[2]) is ct.MaxPool2d
+    assert {e.name: e.reason for e in report.left}["0"] == "'groupnorm' not in ops"
+    report = ct.convert(model, ops=["groupnorm"])
+    assert type(model[0]) is ct.GroupNorm and type(model[1]) is nn.SiLU, "no fusion without 'groupnorm_swish'"
+    with pytest.raises(ValueError, match="ops: unknown"):
+        ct.convert(model, ops=["conv"])
+    with pytest.raises(ValueError, match="max_pool_indices"):
+        ct.convert(model, max_pool_indices="maybe")
+    root = nn.GroupNorm(2, 8)
+    rep = ct.convert(root)
+    assert not rep.replaced and "the model itself" in rep.left[0].reason
+    assert type(ct.GroupNorm.from_module(root)) is ct.GroupNorm
+
+
+def test_convert_keeps_mode_and_hooks():
+    model = nn.Sequential(nn.GroupNorm(2, 8), nn.MaxPool2d(2)).eval()
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    ct.convert(model)
+    assert not model[0].training and not model[1].training
+    model(torch.randn(1, 8, 4, 4))
+    assert seen == ["GroupNorm"] and type(model[0]) is ct.GroupNorm
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True) on the CPU, through the ops
+# ---------------------------------------------------------------------------------------------
+def _small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(), nn.MaxPool2d(3, 2, 1),
+                         ResBlock(16), nn.AvgPool2d(2), nn.GroupNorm(4, 16), nn.Flatten(), nn.Linear(16 * 16, 4))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_trains_like_eager(backend, route_cpu):
+    torch._dynamo.reset()
+    ref = _small_model()
+    model = copy.deepcopy(ref)
+    report = ct.convert(model, patterns=[ct.FusePattern(ResBlock, "norm1", "act1"),
+                                         ct.FusePattern(ResBlock, "norm2", "act2")])
+    assert len(report.replaced) == 9
+    model = model.to(memory_format=CL)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    opt, opt_r = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        x = _x((4, 3, 16, 16), layout="nhwc", seed=step)
+        loss = compiled(x).square().mean()
+        loss.backward()
+        loss_r = ref(x).square().mean()
+        loss_r.backward()
+        torch.testing.assert_close(loss, loss_r, atol=1e-5, rtol=1e-4)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3)
+        opt.step(), opt_r.step(), opt.zero_grad(), opt_r.zero_grad()
+    assert ct.fallbacks() == {}
+
+
+def test_compile_sees_the_custom_ops(route_cpu):
+    """The traced graph holds the ckgen ops, forward and backward, and no graph break."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def keep(g, _):
+            graphs.append(g)
+            return g.forward
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2), ct.AvgPool2d(2))
+    f = torch.compile(m, fullgraph=True, backend=backend)
+    f(_x((2, 16, 8, 8), requires_grad=True)).sum().backward()
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    for name in ("groupnorm_fwd", "maxpool2d_fwd_with_indices", "avgpool2d_fwd", "groupnorm_bwd", "maxpool2d_bwd",
+                 "avgpool2d_bwd"):
+        assert any(f"ckgen.{name}" in t for t in targets), (name, targets)
+
+
+# ---------------------------------------------------------------------------------------------
+# the op-level fallback: problems ckgen's dispatcher cannot serve (no GPU needed to decide)
+# ---------------------------------------------------------------------------------------------
+def test_not_served_names_the_dispatchers_reason(monkeypatch):
+    from ckgen import target as target_mod
+    from ckgen.ops.spec import Target
+
+    monkeypatch.setattr(target_mod, "device_info",
+                        lambda i=None: target_mod.DeviceInfo(Target.named("sm_90"), "fake H100", 132, 50 << 20))
+    O._served.clear()
+    ok = torch.empty(2, 64, 8, 8, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    assert O._not_served("groupnorm_fwd", ok, G=8, activation="none") is None
+    wide = torch.empty(1, 8192, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    why = O._not_served("groupnorm_fwd", wide, G=1, activation="swish")
+    assert why and "no config of the tuning space can run" in why
+    assert O._not_served("maxpool2d_fwd", ok, return_indices=True,
+                         **O._pool_fields([3, 3], [2, 2], [1, 1], [1, 1], False)) is None
+    # argument errors are not "not served": the ckgen call raises them itself
+    assert O._not_served("maxpool2d_fwd", ok, return_indices=False,
+                         **O._pool_fields([2, 2], [2, 2], [2, 2], [1, 1], False)) is None
+    monkeypatch.setattr(target_mod, "device_info", lambda i=None: (_ for _ in ()).throw(target_mod.NoGPUError("no")))
+    O._served.clear()
+    assert "ckgen cannot use this GPU" in O._not_served("groupnorm_fwd", ok, G=8, activation="none")
+    O._served.clear()

@@ -258,27 +258,30 @@ def ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ce
 
 
 def ref_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    """Overlapping windows' dy are summed in float32 and rounded once, as ckgen does."""
     fmt = memory_format_of(x)
     if indices is None:
         _, indices = F.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode,
                                   return_indices=True)
-    dx = torch.ops.aten.max_pool2d_with_indices_backward(dy, x, list(kernel_size), list(stride), list(padding),
-                                                         list(dilation), ceil_mode, indices)
-    return dx.contiguous(memory_format=fmt)
+    acc = _acc(x)
+    dx = torch.ops.aten.max_pool2d_with_indices_backward(dy.to(acc), x.to(acc), list(kernel_size), list(stride),
+                                                         list(padding), list(dilation), ceil_mode, indices)
+    return dx.to(x.dtype).contiguous(memory_format=fmt)
 
 
 def ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     fmt = memory_format_of(x)
-    y = F.avg_pool2d(x, list(kernel_size), list(stride), list(padding), ceil_mode, count_include_pad,
+    y = F.avg_pool2d(x.to(_acc(x)), list(kernel_size), list(stride), list(padding), ceil_mode, count_include_pad,
                      divisor_override)
-    return y.contiguous(memory_format=fmt)
+    return y.to(x.dtype).contiguous(memory_format=fmt)
 
 
 def ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     fmt = memory_format_of(x)
-    dx = torch.ops.aten.avg_pool2d_backward(dy, x, list(kernel_size), list(stride), list(padding), ceil_mode,
-                                            count_include_pad, divisor_override)
-    return dx.contiguous(memory_format=fmt)
+    acc = _acc(x)
+    dx = torch.ops.aten.avg_pool2d_backward(dy.to(acc), x.to(acc), list(kernel_size), list(stride), list(padding),
+                                            ceil_mode, count_include_pad, divisor_override)
+    return dx.to(x.dtype).contiguous(memory_format=fmt)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,586 @@
+"""Model-level benchmark: ckgen.torch.convert in real models, against PyTorch eager and torch.compile.
+
+    python bench/models.py [--quick] [--budget 270] [--out DIR] [--columns ...] [--tune-trials 0]
+
+Rows (bf16): a stack of 4 Stable-Diffusion-style ResBlocks (GroupNorm, SiLU, 3x3 conv, and
+again, plus the residual; GroupNorm + SiLU consecutive in nn.Sequential, as in LDM's ResBlock, so
+convert fuses them) at 2x320x64x64, 8x320x64x64, 2x640x32x32 and a VAE-decoder-like
+1x256x256x256, channels-last and NCHW; ResNet-50 and VGG-16 (torchvision's if importable, else
+local definitions of the same layers), channels-last. Each row is a training step (forward +
+backward of a mean loss) and, for some rows, inference (forward under no_grad).
+
+Columns, all in one run on the same weights and inputs:
+  eager         the nn model
+  compile       torch.compile(model)
+  compile_ro    torch.compile(model, mode="reduce-overhead") (CUDA graphs)
+  ck_eager      ckgen.torch.convert(model)
+  ck_compile    torch.compile(converted, fullgraph=True)
+  ck_compile_ro torch.compile(converted, fullgraph=True, mode="reduce-overhead")
+
+Each cell: host-inclusive ms per step (wall clock over >= --min-steps steps, synchronized;
+what a training loop sees) and GPU-only ms per step (the sum of the device kernels' times over
+profiled steps, torch.profiler), and the share of GPU time in GroupNorm / pooling kernels
+(kernel names with "group_norm"/"groupnorm" or "pool": PyTorch's, Triton's fused ones, ckgen's).
+A column that fails records its error and the run goes on. Rows (and within a row the columns,
+most telling first) are run in order until the time budget is spent (default 270 s, so that a
+full run with compilation takes about 5 minutes on an H100); the rest are listed as skipped. ckgen's dispatcher notices (untuned shapes) and
+any fallback to PyTorch are listed per row. A numerics check compares the converted model's output
+with the nn model's (eval mode, first batch).
+
+Writes DIR/models-<device>.md, .json and .png (matplotlib, if importable); DIR: --out, else $OUT,
+else bench/results.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+COLUMNS = ("eager", "compile", "compile_ro", "ck_eager", "ck_compile", "ck_compile_ro")
+QUICK_COLUMNS = ("eager", "compile", "ck_eager", "ck_compile")
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------
+def resblock_stack(C: int, n: int = 4, groups: int = 32):
+    from torch import nn
+
+    class ResBlock(nn.Module):
+        """LDM's ResBlock without the time embedding: in_layers, out_layers, identity skip."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_layers = nn.Sequential(nn.GroupNorm(groups, C), nn.SiLU(), nn.Conv2d(C, C, 3, padding=1))
+            self.out_layers = nn.Sequential(nn.GroupNorm(groups, C), nn.SiLU(), nn.Conv2d(C, C, 3, padding=1))
+
+        def forward(self, x):
+            return x + self.out_layers(self.in_layers(x))
+
+    return nn.Sequential(*[ResBlock() for _ in range(n)])
+
+
+def resnet50():
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None), "torchvision"
+    except Exception:  # noqa: BLE001 - torchvision missing or broken: the local definition
+        return _local_resnet50(), "local"
+
+
+def vgg16():
+    try:
+        import torchvision
+
+        return torchvision.models.vgg16(weights=None), "torchvision"
+    except Exception:  # noqa: BLE001
+        return _local_vgg16(), "local"
+
+
+def _local_resnet50():
+    """torchvision's ResNet-50 layer for layer (Bottleneck v1.5), without torchvision."""
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, width, stride, down):
+            super().__init__()
+            cout = width * 4
+            self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)) \
+                if down else None
+
+        def forward(self, x):
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.relu(self.bn2(self.conv2(out)))
+            out = self.bn3(self.conv3(out))
+            return self.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+    layers, cin = [], 64
+    for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        stage = []
+        for i in range(blocks):
+            stage.append(Bottleneck(cin, width, stride if i == 0 else 1, i == 0))
+            cin = width * 4
+        layers.append(nn.Sequential(*stage))
+    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                         nn.MaxPool2d(3, 2, 1), *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000))
+
+
+def _local_vgg16():
+    from torch import nn
+
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    layers, cin = [], 3
+    for v in cfg:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+        else:
+            layers += [nn.Conv2d(cin, v, 3, padding=1), nn.ReLU(inplace=True)]
+            cin = v
+    return nn.Sequential(nn.Sequential(*layers), nn.AdaptiveAvgPool2d(7), nn.Flatten(),
+                         nn.Linear(512 * 49, 4096), nn.ReLU(True), nn.Dropout(), nn.Linear(4096, 4096), nn.ReLU(True),
+                         nn.Dropout(), nn.Linear(4096, 1000))
+
+
+@dataclass
+class Row:
+    name: str  # "resblocks", "resnet50", "vgg16"
+    shape: tuple  # input (N, C, H, W)
+    layout: str  # "nhwc" | "nchw"
+    mode: str  # "train" | "infer"
+    quick: bool = False
+    cells: dict = field(default_factory=dict)  # column -> result dict
+    notes: list = field(default_factory=list)
+    skipped: str = ""
+
+    @property
+    def label(self) -> str:
+        what = "4 ResBlocks" if self.name == "resblocks" else self.name
+        return f"{what} {'x'.join(map(str, self.shape))} {self.layout} {self.mode}"
+
+
+def plan(quick: bool, smoke: bool) -> list[Row]:
+    if smoke:  # tiny, for checking the script itself (any device; NCHW training: PyTorch's CPU
+        # channels-last GroupNorm backward crashes when the input needs no gradient)
+        return [Row("resblocks", (2, 64, 16, 16), "nchw", "train", True),
+                Row("resblocks", (2, 64, 16, 16), "nhwc", "infer", True)]
+    rows = [
+        Row("resblocks", (2, 320, 64, 64), "nhwc", "train", True),
+        Row("resblocks", (1, 256, 256, 256), "nhwc", "train", True),
+        Row("resnet50", (32, 3, 224, 224), "nhwc", "train", True),
+        Row("resblocks", (8, 320, 64, 64), "nhwc", "train"),
+        Row("resblocks", (2, 640, 32, 32), "nhwc", "train"),
+        Row("vgg16", (16, 3, 224, 224), "nhwc", "train"),
+        Row("resblocks", (2, 320, 64, 64), "nchw", "train"),
+        Row("resblocks", (1, 256, 256, 256), "nchw", "train"),
+        Row("resblocks", (2, 320, 64, 64), "nhwc", "infer"),
+        Row("resblocks", (1, 256, 256, 256), "nhwc", "infer"),
+        Row("resnet50", (32, 3, 224, 224), "nhwc", "infer"),
+        Row("resblocks", (8, 320, 64, 64), "nchw", "train"),
+        Row("resblocks", (2, 640, 32, 32), "nchw", "train"),
+        Row("vgg16", (16, 3, 224, 224), "nhwc", "infer"),
+    ]
+    return [r for r in rows if r.quick] if quick else rows
+
+
+def build(row: Row, dtype, device):
+    import torch
+
+    torch.manual_seed(0)
+    if row.name == "resblocks":
+        model, src = resblock_stack(row.shape[1]), "local"
+    elif row.name == "resnet50":
+        model, src = resnet50()
+    else:
+        model, src = vgg16()
+    fmt = torch.channels_last if row.layout == "nhwc" else torch.contiguous_format
+    model = model.to(device=device, dtype=dtype).to(memory_format=fmt)
+    model.train(row.mode == "train")
+    return model, src
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------------------------
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_step(fn, model, x, mode):
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    if mode == "train":
+        def step():
+            torch.compiler.cudagraph_mark_step_begin()
+            out = fn(x)
+            out = out.logits if hasattr(out, "logits") else out
+            out.float().mean().backward()
+            for p in params:
+                p.grad = None
+    else:
+        def step():
+            torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                fn(x)
+    return step
+
+
+def _kind(names: str) -> str:
+    n = names.lower()
+    if "group_norm" in n or "groupnorm" in n:
+        return "gn"
+    return "pool" if "pool" in n else ""
+
+
+def gpu_kernel_times(step, steps: int, device) -> tuple[float, float, float]:
+    """(GPU ms per step, GroupNorm share, pooling share) from torch.profiler's device kernels.
+
+    A kernel counts as GroupNorm (pooling) when its name or the name of the op that launched
+    it, or of any op around that one, says so: PyTorch's own kernels (RowwiseMoments... under
+    aten::native_group_norm, a layout copy under it too), Triton's (triton_..._native_group_norm_...)
+    and ckgen's (ckgen_groupnorm_fwd_...) alike."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return float("nan"), float("nan"), float("nan")
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    total = {"": 0.0, "gn": 0.0, "pool": 0.0}
+    for fe in prof.events():
+        if fe.device_type != DeviceType.CPU or not getattr(fe, "kernels", None):
+            continue
+        chain, parent = [fe.name], fe.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        for k in fe.kernels:
+            total[_kind(" ".join([k.name, *chain]))] += k.duration
+    all_us = sum(total.values())
+    if all_us <= 0:
+        return float("nan"), float("nan"), float("nan")
+    return all_us / 1e3 / steps, total["gn"] / all_us, total["pool"] / all_us
+
+
+def measure(step, device, min_steps: int, min_seconds: float, profile_steps: int, warmup: int) -> dict:
+    t0 = time.perf_counter()
+    step()  # first call: compilation, kernel loading, cudnn autotuning
+    _sync(device)
+    first_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    n, t0 = 0, time.perf_counter()
+    while n < min_steps or time.perf_counter() - t0 < min_seconds:
+        step()
+        n += 1
+        if n >= 10 * min_steps:
+            break
+    _sync(device)
+    host_ms = (time.perf_counter() - t0) * 1e3 / n
+    gpu_ms, gn_share, pool_share = gpu_kernel_times(step, profile_steps, device)
+    return {"host_ms": host_ms, "gpu_ms": gpu_ms, "gn_share": gn_share, "pool_share": pool_share, "steps": n,
+            "first_s": first_s}
+
+
+class _Notices(logging.Handler):
+    """Collects the ckgen logger's notices (dispatcher fallbacks to untuned configs)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+# the order columns run in: the most telling first (the budget may end a row early)
+RUN_ORDER = ("eager", "ck_eager", "compile", "ck_compile", "ck_compile_ro", "compile_ro")
+
+
+def run_row(row: Row, args, device, dtype, deadline: float) -> None:
+    import torch
+
+    import ckgen.torch as ct
+
+    base, src = build(row, dtype, device)
+    if src != "local":
+        row.notes.append(f"model: {src}")
+    fmt = torch.channels_last if row.layout == "nhwc" else torch.contiguous_format
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(row.shape, device=device, generator=gen).to(dtype).contiguous(memory_format=fmt)
+    conv = copy.deepcopy(base)
+    report = ct.convert(conv, max_pool_indices=args.max_pool_indices)
+    row.notes.append("convert: " + ", ".join(f"{k} x{v}" for k, v in sorted(report.counts().items())))
+    # numerics: converted vs nn, eval mode, one forward
+    try:
+        with torch.no_grad():
+            a, b = copy.deepcopy(base).eval(), copy.deepcopy(conv).eval()
+            ya, yb = a(x).double(), b(x).double()
+            err = ((ya - yb).norm() / ya.norm().clamp_min(1e-30)).item()
+        row.notes.append(f"check: converted vs nn output, relative L2 error {err:.2e}")
+        del a, b, ya, yb
+    except Exception as e:  # noqa: BLE001
+        row.notes.append(f"check failed: {e.__class__.__name__}: {e}")
+    handler = _Notices()
+    logging.getLogger("ckgen").addHandler(handler)
+    ct.reset_fallbacks()
+    try:
+        for col in sorted(args.columns, key=RUN_ORDER.index):
+            if time.perf_counter() > deadline:
+                row.cells[col] = {"error": "skipped: time budget spent"}
+                continue
+            torch._dynamo.reset()
+            t_col = time.perf_counter()
+            try:
+                model = copy.deepcopy(conv if col.startswith("ck_") else base)
+                if col in ("eager", "ck_eager"):
+                    fn = model
+                else:
+                    kw = {"backend": args.backend}
+                    if col.endswith("_ro"):
+                        kw["mode"] = "reduce-overhead"
+                    if col.startswith("ck_"):
+                        kw["fullgraph"] = True
+                    fn = torch.compile(model, **kw)
+                step = make_step(fn, model, x, row.mode)
+                row.cells[col] = measure(step, device, args.min_steps, args.min_seconds, args.profile_steps,
+                                         args.warmup)
+            except Exception as e:  # noqa: BLE001 - one column's failure is data
+                msg = f"{e.__class__.__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                row.cells[col] = {"error": msg}
+                if args.verbose:
+                    traceback.print_exc()
+            finally:
+                row.cells.setdefault(col, {})["wall_s"] = time.perf_counter() - t_col
+                fn = model = step = None  # noqa: F841
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            c = row.cells[col]
+            print(f"  {col:14s} " + (f"host {c['host_ms']:8.3f} ms  gpu {c['gpu_ms']:8.3f} ms  "
+                                     f"gn {c['gn_share']:.0%} pool {c['pool_share']:.0%}  "
+                                     f"(first step {c['first_s']:.1f} s)" if "host_ms" in c else c.get("error", "")),
+                  flush=True)
+    finally:
+        logging.getLogger("ckgen").removeHandler(handler)
+    untuned = sorted({m for m in handler.messages if "runs PyTorch's op" not in m})
+    if untuned:
+        row.notes.append(f"ckgen dispatcher: {len(untuned)} problem(s) not tuned on this GPU (nearest/default "
+                         f"configs), e.g. {untuned[0][:200]}")
+    fb = ct.fallbacks()
+    if fb:
+        row.notes.append("fell back to PyTorch: " + "; ".join(f"{op} ({why}) x{n}" for (op, why), n in fb.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# tuning (optional) and report
+# ---------------------------------------------------------------------------------------------
+def tune_rows(rows: list[Row], trials: int, device, dtype_name: str) -> None:
+    """Tune the GroupNorm problems of the ResBlock rows that the DB lacks (fwd with swish, bwd)."""
+    import ckgen
+    from ckgen import db as dbmod
+    from ckgen import settings
+    from ckgen.ops import get_op
+    from ckgen.target import device_info
+    from ckgen.tune import db_entry, tune_problem
+
+    info = device_info(device.index or 0)
+    for row in rows:
+        if row.name != "resblocks":
+            continue
+        N, C, H, W = row.shape
+        ops = ["groupnorm_fwd"] + (["groupnorm_bwd"] if row.mode == "train" else [])
+        for name in ops:
+            kw = dict(N=N, C=C, H=H, W=W, G=32, dtype=dtype_name, layout=row.layout, activation="swish")
+            if ckgen.explain(name, arch=info.target.arch, **kw).source == "tuned":
+                continue
+            op = get_op(name)
+            print(f"tuning {name} {op.parse_problem(**kw).key()} ({trials} trials)", flush=True)
+            r = tune_problem(op, op.parse_problem(**kw), info, trials=trials, storage=None, seed=0)
+            dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
+            ckgen.reload_db()
+
+
+def _cellv(row: Row, col: str, key: str) -> str:
+    c = row.cells.get(col, {})
+    if "error" in c:
+        return "skip" if c["error"].startswith("skipped") else "error"
+    return _fmt(c.get(key))
+
+
+def _fmt(v, spec=".2f", empty="-"):
+    return empty if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def write_report(rows: list[Row], args, meta: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    dev = re.sub(r"[^A-Za-z0-9]+", "-", meta["device"]).strip("-")
+    cols = list(args.columns)
+
+    def cell(row, col, key):
+        c = row.cells.get(col, {})
+        return c.get(key) if "error" not in c else None
+
+    def speed(row, a, b, key):  # b's time / a's time: > 1 means a is faster
+        ta, tb = cell(row, a, key), cell(row, b, key)
+        return tb / ta if ta and tb else None
+
+    lines = [f"# Model-level benchmark on {meta['device']}", "",
+             f"torch {meta['torch']}, ckgen {meta['ckgen']}, {meta['dtype']}, {meta['date']}; "
+             f"`{meta['command']}`", "",
+             "ms per step: host-inclusive (wall clock, synchronized; what a training loop sees) / GPU-only "
+             "(sum of device kernel times, torch.profiler). train = forward + backward of a mean loss; infer = "
+             "forward under no_grad. ck_* = after `ckgen.torch.convert` (GroupNorm+SiLU fused). "
+             "Columns: " + ", ".join(cols) + ".", ""]
+    lines += ["## Host-inclusive ms per step", "",
+              "| row | " + " | ".join(cols) + " | ck_eager vs eager | ck_compile vs compile |",
+              "|---|" + "---:|" * (len(cols) + 2)]
+    for r in rows:
+        if r.skipped:
+            continue
+        vals = [_cellv(r, c, "host_ms") for c in cols]
+        lines.append(f"| {r.label} | " + " | ".join(vals) + f" | {_fmt(speed(r, 'ck_eager', 'eager', 'host_ms'))}x"
+                     f" | {_fmt(speed(r, 'ck_compile', 'compile', 'host_ms'))}x |")
+    lines += ["", "## GPU-only ms per step (device kernels)", "",
+              "| row | " + " | ".join(cols) + " | ck_eager vs eager | ck_compile vs compile |",
+              "|---|" + "---:|" * (len(cols) + 2)]
+    for r in rows:
+        if r.skipped:
+            continue
+        vals = [_cellv(r, c, "gpu_ms") for c in cols]
+        lines.append(f"| {r.label} | " + " | ".join(vals) + f" | {_fmt(speed(r, 'ck_eager', 'eager', 'gpu_ms'))}x"
+                     f" | {_fmt(speed(r, 'ck_compile', 'compile', 'gpu_ms'))}x |")
+    lines += ["", "## Share of GPU time in GroupNorm / pooling kernels (before -> after)", "",
+              "| row | " + " | ".join(f"{c} GN / pool" for c in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for r in rows:
+        if r.skipped:
+            continue
+        vals = [f"{_fmt(cell(r, c, 'gn_share'), '.0%')} / {_fmt(cell(r, c, 'pool_share'), '.0%')}" for c in cols]
+        lines.append(f"| {r.label} | " + " | ".join(vals) + " |")
+    lines += ["", "## Notes", ""]
+    for r in rows:
+        if r.skipped:
+            lines.append(f"- {r.label}: skipped ({r.skipped})")
+            continue
+        errs = [f"{c}: {r.cells[c]['error']}" for c in cols if "error" in r.cells.get(c, {})
+                and not r.cells[c]["error"].startswith("skipped")]
+        skipped = [c for c in cols if r.cells.get(c, {}).get("error", "").startswith("skipped")]
+        if skipped:
+            errs.append(f"not run (time budget): {', '.join(skipped)}")
+        errs = [e if e.startswith("not run") else f"error {e}" for e in errs]
+        firsts = ", ".join(f"{c} {r.cells[c]['first_s']:.1f}s" for c in cols if "first_s" in r.cells.get(c, {}))
+        lines.append(f"- {r.label}: " + "; ".join(r.notes + ([f"first step (compile): {firsts}"] if firsts else [])
+                                                   + errs))
+    md = out / f"models-{dev}.md"
+    md.write_text("\n".join(lines) + "\n")
+    (out / f"models-{dev}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    try:
+        plot(rows, cols, out / f"models-{dev}.png", meta)
+    except Exception as e:  # noqa: BLE001 - matplotlib missing or a plotting problem: the tables stand
+        print(f"no plot: {e.__class__.__name__}: {e}", file=sys.stderr)
+    return md
+
+
+def plot(rows: list[Row], cols: list[str], path: Path, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if not r.skipped and r.cells.get("eager", {}).get("host_ms")]
+    if not done:
+        return
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(done) * len(cols) / 3), 9), sharex=True)
+    width = 0.8 / len(cols)
+    for ax, key, title in ((axes[0], "host_ms", "host-inclusive"), (axes[1], "gpu_ms", "GPU-only")):
+        for i, c in enumerate(cols):
+            vals = []
+            for r in done:
+                t0, t = r.cells["eager"].get(key), r.cells.get(c, {}).get(key)
+                vals.append(t0 / t if t0 and t and not math.isnan(t) and not math.isnan(t0) else 0.0)
+            ax.bar([j + (i - (len(cols) - 1) / 2) * width for j in range(len(done))], vals, width, label=c)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel(f"speedup over eager ({title})")
+        ax.legend(ncol=len(cols), fontsize=8)
+    axes[1].set_xticks(range(len(done)))
+    axes[1].set_xticklabels([r.label for r in done], rotation=30, ha="right", fontsize=8)
+    fig.suptitle(f"ckgen.torch.convert, {meta['dtype']}, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 training rows, 4 columns, 2 minutes' budget")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds; columns and rows after it are skipped (default 270; --quick 120)")
+    ap.add_argument("--columns", default=None, help=f"comma-separated, of {','.join(COLUMNS)}")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend")
+    ap.add_argument("--max-pool-indices", default="stored", choices=["stored", "recompute"])
+    ap.add_argument("--min-steps", type=int, default=10)
+    ap.add_argument("--min-seconds", type=float, default=0.5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--tune-trials", type=int, default=0, help="tune untuned GroupNorm problems of the rows first")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    args.columns = tuple(args.columns.split(",")) if args.columns else (QUICK_COLUMNS if args.quick else COLUMNS)
+    bad = [c for c in args.columns if c not in COLUMNS]
+    if bad:
+        ap.error(f"--columns: unknown {bad}")
+    budget = args.budget if args.budget is not None else (120.0 if args.quick else 270.0)
+    if args.quick:
+        args.min_steps, args.min_seconds = min(args.min_steps, 5), min(args.min_seconds, 0.25)
+
+    try:
+        import torch
+    except ImportError:
+        print("bench/models.py needs PyTorch (pip install 'ckgen[torch]')", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench/models.py: no CUDA device (use --smoke --device cpu to check the script)", file=sys.stderr)
+        return 2
+    import ckgen
+    import ckgen.torch  # noqa: F401 - registers the ops
+
+    torch.backends.cudnn.benchmark = True
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    meta = {"device": name, "torch": torch.__version__, "ckgen": ckgen.__version__, "dtype": args.dtype,
+            "date": time.strftime("%Y-%m-%d"), "command": "python bench/models.py " + " ".join(sys.argv[1:]),
+            "columns": list(args.columns), "budget_s": budget}
+    rows = plan(args.quick, args.smoke)
+    if args.tune_trials > 0 and device.type == "cuda":
+        tune_rows(rows, args.tune_trials, device, args.dtype)
+    t0 = time.perf_counter()
+    for row in rows:
+        spent = time.perf_counter() - t0
+        if spent > budget:
+            row.skipped = f"time budget of {budget:.0f} s spent"
+            continue
+        print(f"{row.label} ({spent:.0f} s so far)", flush=True)
+        try:
+            run_row(row, args, device, dtype, t0 + budget)
+        except Exception as e:  # noqa: BLE001 - a row that cannot even be built: recorded, next row
+            row.notes.append(f"row failed: {e.__class__.__name__}: {e}")
+            if args.verbose:
+                traceback.print_exc()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = Path(args.out or os.environ.get("OUT") or Path(__file__).with_name("results"))
+    md = write_report(rows, args, meta, out)
+    print(md.read_text())
+    print(f"wrote {md} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

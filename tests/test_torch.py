@@ -675,11 +675,11 @@ def test_compile_sees_the_custom_ops(route_cpu):
     graphs = []
 
     def backend(gm, example_inputs):
-        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
         def keep(g, _):
             graphs.append(g)
-            return g.forward
+            return make_boxed_func(g.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
 

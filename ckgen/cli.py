@@ -1,4 +1,4 @@
-"""`ckgen tune | list | db show | db export`."""
+"""`ckgen tune | retune | generate | bench | list | db show | db export`."""
 from __future__ import annotations
 
 import argparse
@@ -243,6 +243,39 @@ def cmd_retune(args: argparse.Namespace) -> int:
     return 0 if done == len(plan) else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .opbench import OPS
+
+    ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(OPS)
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        err.print(f"ckgen bench: --ops: unknown {bad}; choose from {', '.join(OPS)}", markup=False)
+        return 2
+    try:
+        import torch  # noqa: F401 - the comparison runs PyTorch's ops
+    except ImportError:
+        err.print("ckgen bench: needs PyTorch (pip install 'ckgen[torch]')", markup=False)
+        return 2
+    from .target import gpu_status
+
+    why = gpu_status()
+    if why:
+        err.print(f"ckgen bench: no usable GPU: {why}", markup=False)
+        return 2
+    import os
+
+    from .opbench import run
+
+    if getattr(args, "db", None):  # the user DB the dispatcher reads
+        os.environ["CKGEN_DB"] = str(args.db)
+
+    out = Path(args.out or os.environ.get("OUT") or "bench-results")
+    md = run(ops, out, quick=args.quick, compile=not args.no_compile,
+             log=lambda line: console.print(line, markup=False))
+    console.print(f"wrote {md} (and .json, .png)")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ckgen", description="Generate, tune and dispatch GPU kernels.")
     p.add_argument("--db", help="user instance DB (default: $CKGEN_DB or the user cache dir)")
@@ -298,6 +331,14 @@ def parser() -> argparse.ArgumentParser:
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     rt.set_defaults(fn=cmd_retune)
+
+    b = sub.add_parser("bench", help="time every op's suite on this GPU against PyTorch eager and torch.compile")
+    b.add_argument("--ops", help="comma-separated ops (default: all six)")
+    b.add_argument("--out", help="folder for bench-<device>.md/.json/.png (default: $OUT or ./bench-results)")
+    b.add_argument("--quick", action="store_true", help="every third problem of each suite")
+    b.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    b.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    b.set_defaults(fn=cmd_bench)
 
     ls = sub.add_parser("list", help="list ops and DB entries")
     ls.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -225,3 +225,55 @@ def test_corrupt_db_message_keeps_brackets_in_the_path(inproc, tmp_path: Path) -
 def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
     r = run_sub(tmp_path)
     assert r.returncode == 2 and "usage" in r.stderr.lower()
+
+
+# ------------------------------------------------------------------ bench without a GPU
+
+
+@needs_no_gpu
+def test_bench_without_gpu_says_why(inproc) -> None:
+    code, out, err = inproc("bench", "--quick")
+    assert code == 2 and out == ""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ckgen bench: "), err
+    assert "no usable GPU" in lines[0] or "needs PyTorch" in lines[0]
+
+
+def test_bench_rejects_unknown_ops(inproc) -> None:
+    code, out, err = inproc("bench", "--ops", "groupnorm_fwd,conv2d")
+    assert code == 2 and "--ops: unknown ['conv2d']" in err
+
+
+def test_bench_suites_and_explain_fields() -> None:
+    """Every suite problem maps to the fields `explain` takes (no GPU needed to check that)."""
+    import ckgen
+    from ckgen.opbench import OPS, _explain_fields, suite
+
+    for op in OPS:
+        full, quick = suite(op, False), suite(op, True)
+        assert full and quick and len(quick) < len(full)
+        for p in quick[:1]:
+            assert ckgen.explain(op, arch="sm_90", **_explain_fields(op, p)).problem == p.key()
+
+
+def test_bench_report_from_rows(tmp_path: Path) -> None:
+    """The report writer on made-up rows: tables, geomeans, errors, JSON (the plot if matplotlib)."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from ckgen.opbench import write
+
+    rows = [{"op": "groupnorm_fwd", "problem": "N=2,C=320", "source": "tuned", "eager_kind": "F.group_norm",
+             "ckgen_gpu_us": 10.0, "eager_gpu_us": 30.0, "compile_gpu_us": 20.0,
+             "ckgen_host_us": 40.0, "eager_host_us": 35.0, "compile_host_us": 60.0},
+            {"op": "maxpool2d_fwd", "problem": "N=32", "source": "default", "eager_kind": "F.max_pool2d",
+             "ckgen_gpu_us": 5.0, "eager_gpu_us": 10.0, "ckgen_host_us": 20.0, "eager_host_us": 25.0,
+             "compile_error": "BackendCompilerFailed: no"},
+            {"op": "avgpool2d_fwd", "problem": "N=1", "error": "ValueError: x: bad"}]
+    info = SimpleNamespace(name="Fake GPU 80GB", target=SimpleNamespace(arch="sm_90"))
+    md = write(rows, info, tmp_path, quick=True)
+    text = md.read_text()
+    assert md.name == "bench-Fake-GPU-80GB.md" and (tmp_path / "bench-Fake-GPU-80GB.json").is_file()
+    assert "geomean speedup: 2.45x over eager, 2.00x over torch.compile" in text  # sqrt(3 * 2), 2
+    assert "| groupnorm_fwd | N=2,C=320 | 10.0 | 30.0 | 20.0 | 3.00x | 2.00x | tuned | F.group_norm |" in text
+    assert "error: ValueError: x: bad" in text and "torch.compile failed: BackendCompilerFailed" in text

@@ -43,6 +43,51 @@ def _no_fallback():
     assert ct.fallbacks() == {}, f"calls fell back to PyTorch: {ct.fallbacks()}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _prewarm():
+    """Compile (in parallel) and load every instance the op tests dispatch to, once: later
+    loads hit the in-process kernel cache whatever cache dir a test runs with."""
+    import warnings
+
+    try:
+        import ckgen
+        from ckgen.compile import compile_many, load_kernel
+        from ckgen.instance import render_instance
+        from ckgen.target import current_target
+        from ckgen.torch.ops import _pool_fields
+
+        target = current_target()
+        picks = []
+        for (N, C, H, W, G), dt, lay, act in itertools.product(GN_SHAPES + [(2, 64, 9, 10, 8)], DTYPES, LAYOUTS,
+                                                               ("none", "swish")):
+            for name in ("groupnorm_fwd", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta"):
+                picks.append((name, dict(N=N, C=C, H=H, W=W, G=G, dtype=dt, layout=lay, activation=act)))
+        for kw, dt, lay in itertools.product(MAX_GEOS, DTYPES, LAYOUTS):
+            k, st, p, d, ceil = _pairs(kw)
+            f = dict(N=2, C=32, H=13, W=24, dtype=dt, layout=lay, **_pool_fields(k, st, p, d, ceil))
+            picks += [("maxpool2d_fwd", dict(f, return_indices=ri)) for ri in (True, False)]
+            picks += [("maxpool2d_bwd", dict(f, indices=ind)) for ind in ("stored", "recompute")]
+        for kw, dt, lay in itertools.product(AVG_GEOS, DTYPES, LAYOUTS):
+            k, st, p, _, ceil = _pairs(kw)
+            f = dict(N=2, C=32, H=13, W=24, dtype=dt, layout=lay, count_include_pad=kw.get("count_include_pad", True),
+                     divisor_override=kw.get("divisor_override"), **_pool_fields(k, st, p, None, ceil))
+            picks += [("avgpool2d_fwd", f), ("avgpool2d_bwd", f)]
+        todo = []
+        for name, fields in picks:
+            op = get_op(name)
+            choice = ckgen.explain(name, arch=target.arch, **fields)
+            problem = op.parse_problem(**fields)
+            src = render_instance(op, problem, choice.config, target)
+            todo.append((src, [launch.kernel for launch in op.launches(problem, choice.config, target)]))
+        failures = compile_many([src for src, _ in todo], target)
+        for src, symbols in todo:
+            if src.name not in failures:
+                for sym in symbols:
+                    load_kernel(src, target, sym)
+    except Exception as e:  # noqa: BLE001 - the tests then compile on demand
+        warnings.warn(f"prewarm skipped: {e.__class__.__name__}: {e}")
+
+
 def _close(got, want, tol, what=""):
     torch.testing.assert_close(got.double(), want.double(), atol=tol.atol, rtol=tol.rtol, equal_nan=True,
                                msg=lambda m: f"{what}: {m}")
@@ -385,6 +430,7 @@ def _train(model, fn, batches):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, first = [], None
     for x, t in batches:
+        torch.compiler.cudagraph_mark_step_begin()  # a new iteration (reduce-overhead; a no-op otherwise)
         out = fn(x)
         loss = F.cross_entropy(out if out.dtype == torch.float64 else out.float(), t)
         loss.backward()
@@ -443,13 +489,15 @@ def test_compiled_converted_model_trains_like_eager(dtype, layout, mode):
     eager_run = _train(eager, eager, batches)
     comp_run = _train(comp, compiled, batches)
     _as_accurate(_errors(comp_run, ref), _errors(eager_run, ref), dtype, f"compiled ({mode}) vs eager")
-    # and close to each other directly
-    lt = {"fp32": 1e-3, "bf16": 3e-2}[dtype]
+    # and close to each other directly (TF32 convolutions in fp32, on both sides)
+    lt = {"fp32": 5e-3, "bf16": 5e-2}[dtype]
     torch.testing.assert_close(comp_run[0], eager_run[0], atol=lt, rtol=lt)
     # inference under no_grad, compiled too (max pooling writes no indices there)
     with torch.no_grad():
         x = batches[0][0]
-        got, want = compiled(x), comp(x)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(x).clone()
+        want = comp(x)
     _close(got, want, get_op("groupnorm_fwd").tolerance(dtype, "y"), "inference")
 
 

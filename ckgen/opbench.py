@@ -1,0 +1,266 @@
+"""`ckgen bench`: every op's suite on this GPU, ckgen against PyTorch eager and torch.compile.
+
+For each op (default: all six GroupNorm fwd/bwd and pooling ops) the suite is the op's default
+problems (its tuning space's list: Stable Diffusion UNet/VAE, detection and batch-1 shapes for
+GroupNorm; ResNet/VGG-style shapes for pooling); `--quick` takes every third. Each problem is
+timed three ways, on torch tensors:
+
+- ckgen: the public ckgen function (what `ckgen.torch`'s ops call);
+- eager: PyTorch's op: F.group_norm (+ F.silu), native_group_norm_backward (after silu_backward
+  for swish; channels-last: the autograd path, since the native op takes NCHW only),
+  F.max_pool2d / F.avg_pool2d and aten's pooling backward ops;
+- compile: torch.compile of the eager function (dynamic=False).
+
+GPU-only us: CUDA events around each call with L2 flushed before it, median (ckgen.bench.Timer,
+as the tuner times). Host-inclusive us: the wall clock of back-to-back calls, synchronized, per
+call: what a Python caller sees, dispatch overhead included (no L2 flush between calls).
+
+Writes DIR/bench-<device>.md, .json and .png (the plot needs matplotlib). Needs PyTorch and a GPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+OPS = ("groupnorm_fwd", "groupnorm_bwd", "maxpool2d_fwd", "maxpool2d_bwd", "avgpool2d_fwd", "avgpool2d_bwd")
+
+
+def suite(op_name: str, quick: bool) -> list[Any]:
+    from .ops import get_op
+
+    problems = get_op(op_name).default_problems()
+    return problems[::3] if quick else problems
+
+
+def _pool_args(p: Any) -> tuple[list[int], list[int], list[int], list[int], bool]:
+    return list(p.kernel), list(p.stride), list(p.padding), list(p.dilation), bool(p.ceil_mode)
+
+
+def callables(op_name: str, p: Any) -> tuple[Callable[[], Any], Callable[[], Any], str]:
+    """(ckgen call, eager call, what eager runs) on fresh inputs for problem p."""
+    import torch
+    import torch.nn.functional as F
+
+    import ckgen
+
+    aten = torch.ops.aten
+    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+    fmt = torch.channels_last if p.layout == "nhwc" else torch.contiguous_format
+    N, C, H, W = p.N, p.C, p.H, p.W
+    x = (torch.randn(N, C, H, W, device="cuda") + 0.25).to(dt).contiguous(memory_format=fmt)
+    if op_name.startswith("groupnorm"):
+        G, swish = p.G, p.activation == "swish"
+        gamma = (1 + 0.1 * torch.randn(C, device="cuda")).to(dt)
+        beta = (0.1 * torch.randn(C, device="cuda")).to(dt)
+        act = "swish" if swish else None
+        if op_name == "groupnorm_fwd":
+            def eager():
+                y = F.group_norm(x, G, gamma, beta, 1e-5)
+                return F.silu(y) if swish else y
+
+            return (lambda: ckgen.groupnorm_fwd(x, gamma, beta, G, activation=act)), eager, \
+                "F.group_norm" + (" + F.silu" if swish else "")
+        dy = torch.randn(N, C, H, W, device="cuda").to(dt).contiguous(memory_format=fmt)
+        ypre, mean, rstd = aten.native_group_norm(x.contiguous(), gamma, beta, N, C, H * W, G, 1e-5)
+        ypre = ypre.contiguous(memory_format=fmt)
+        mean32, rstd32 = mean.float(), rstd.float()
+
+        def ours():
+            return ckgen.groupnorm_bwd(dy, x, mean32, rstd32, gamma, G, beta, activation=act)
+
+        if p.layout == "nchw":
+            def eager():
+                g = aten.silu_backward(dy, ypre) if swish else dy
+                return aten.native_group_norm_backward(g, x, mean, rstd, gamma, N, C, H * W, G, [True, True, True])
+
+            return ours, eager, "native_group_norm_backward"
+        xr, wr, br = (t.detach().requires_grad_() for t in (x, gamma, beta))
+        yr = F.group_norm(xr, G, wr, br, 1e-5)
+        yr = F.silu(yr) if swish else yr
+
+        def eager_autograd():
+            return torch.autograd.grad(yr, (xr, wr, br), dy, retain_graph=True)
+
+        return ours, eager_autograd, "autograd of F.group_norm"
+    k, s, pad, d, ceil = _pool_args(p)
+    if op_name == "maxpool2d_fwd":
+        ri = bool(p.return_indices)
+        return (lambda: ckgen.maxpool2d_fwd(x, k, s, pad, d, ceil, return_indices=ri)), \
+            (lambda: F.max_pool2d(x, k, s, pad, d, ceil_mode=ceil, return_indices=ri)), "F.max_pool2d"
+    if op_name == "maxpool2d_bwd":
+        y, idx = F.max_pool2d(x, k, s, pad, d, ceil_mode=ceil, return_indices=True)
+        dy = torch.randn(y.shape, device="cuda").to(dt).contiguous(memory_format=fmt)
+        ind = idx if p.indices == "stored" else None
+        return (lambda: ckgen.maxpool2d_bwd(dy, x, k, s, pad, d, ceil, indices=ind)), \
+            (lambda: aten.max_pool2d_with_indices_backward(dy, x, k, s, pad, d, ceil, idx)), \
+            "max_pool2d_with_indices_backward"
+    cip, dv = bool(p.count_include_pad), (p.divisor_override or None)
+    if op_name == "avgpool2d_fwd":
+        return (lambda: ckgen.avgpool2d_fwd(x, k, s, pad, ceil, cip, dv)), \
+            (lambda: F.avg_pool2d(x, k, s, pad, ceil, cip, dv)), "F.avg_pool2d"
+    y = F.avg_pool2d(x, k, s, pad, ceil, cip, dv)
+    dy = torch.randn(y.shape, device="cuda").to(dt).contiguous(memory_format=fmt)
+    return (lambda: ckgen.avgpool2d_bwd(dy, x, k, s, pad, ceil, cip, dv)), \
+        (lambda: aten.avg_pool2d_backward(dy, x, k, s, pad, ceil, cip, dv)), "avg_pool2d_backward"
+
+
+def host_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, log=print) -> Path:
+    """Time every problem of `ops`; write the report; return the markdown's path."""
+    import torch
+
+    import ckgen
+
+    from .bench import Timer
+    from .target import device_info
+
+    info = device_info(None)
+    timer = Timer(info.l2_bytes, warmup=3, runs=20)
+    rows: list[dict[str, Any]] = []
+    for op_name in ops:
+        for p in suite(op_name, quick):
+            row: dict[str, Any] = {"op": op_name, "problem": p.key()}
+            try:
+                ours, eager, eager_kind = callables(op_name, p)
+                row["eager_kind"] = eager_kind
+                row["source"] = ckgen.explain(op_name, arch=info.target.arch,
+                                              **_explain_fields(op_name, p)).source
+                fns = {"ckgen": ours, "eager": eager}
+                if compile:
+                    try:
+                        torch._dynamo.reset()
+                        comp = torch.compile(eager, dynamic=False)
+                        comp()
+                        fns["compile"] = comp
+                    except Exception as e:  # noqa: BLE001 - recorded; the row goes on
+                        row["compile_error"] = f"{e.__class__.__name__}: {str(e)[:200]}"
+                for name, fn in fns.items():
+                    row[f"{name}_gpu_us"] = timer.time(fn).median_us
+                    row[f"{name}_host_us"] = host_us(fn)
+            except Exception as e:  # noqa: BLE001 - one problem's failure is data
+                row["error"] = f"{e.__class__.__name__}: {str(e)[:300]}"
+            rows.append(row)
+            log(_line(row))
+            torch.cuda.empty_cache()
+    return write(rows, info, out, quick)
+
+
+def _explain_fields(op_name: str, p: Any) -> dict[str, Any]:
+    f = {k: getattr(p, k) for k in ("N", "C", "H", "W", "dtype", "layout")}
+    if op_name.startswith("groupnorm"):
+        f.update(G=p.G, activation=p.activation)
+        return f
+    f.update(kernel=p.kernel, stride=p.stride, padding=p.padding, ceil_mode=p.ceil_mode)
+    if op_name.startswith("maxpool"):
+        f["dilation"] = p.dilation
+        f.update({"return_indices": p.return_indices} if op_name == "maxpool2d_fwd" else {"indices": p.indices})
+    else:
+        f.update(count_include_pad=p.count_include_pad, divisor_override=p.divisor_override or None)
+    return f
+
+
+def _ratio(row: dict[str, Any], other: str, kind: str) -> float | None:
+    a, b = row.get(f"ckgen_{kind}_us"), row.get(f"{other}_{kind}_us")
+    return b / a if a and b else None
+
+
+def _line(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['op']} {row['problem']}: error {row['error']}"
+    parts = [f"{row['op']} {row['problem']}:"]
+    for kind in ("gpu", "host"):
+        vals = " ".join(f"{n} {row[f'{n}_{kind}_us']:.1f}" for n in ("ckgen", "eager", "compile")
+                        if f"{n}_{kind}_us" in row)
+        parts.append(f"{kind} us {vals}")
+    return " | ".join(parts)
+
+
+def _f(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def write(rows: list[dict[str, Any]], info: Any, out: Path, quick: bool) -> Path:
+    import torch
+
+    import ckgen
+
+    out.mkdir(parents=True, exist_ok=True)
+    dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    ok = [r for r in rows if "error" not in r]
+    lines = [f"# ckgen bench on {info.name} ({info.target.arch})", "",
+             f"ckgen {ckgen.__version__}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+             f"{', --quick' if quick else ''}. GPU-only: CUDA events, L2 flushed before each call, median of 20. "
+             "Host-inclusive: wall clock of 20 back-to-back calls, synchronized, per call. "
+             "eager: PyTorch's op (column 'eager runs'); compile: torch.compile of it. "
+             "source: the dispatcher's choice (tuned / nearest / default).", ""]
+    for kind, title in (("gpu", "GPU-only us"), ("host", "host-inclusive us")):
+        geo = {o: [r for r in (_ratio(x, o, kind) for x in ok) if r] for o in ("eager", "compile")}
+        gm = {o: math.exp(sum(map(math.log, v)) / len(v)) if v else None for o, v in geo.items()}
+        lines += [f"## {title} (geomean speedup: {_f(gm['eager'], '.2f')}x over eager, "
+                  f"{_f(gm['compile'], '.2f')}x over torch.compile)", "",
+                  "| op | problem | ckgen | eager | compile | vs eager | vs compile | source | eager runs |",
+                  "|---|---|---:|---:|---:|---:|---:|---|---|"]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['op']} | {r['problem']} | error: {r['error']} | | | | | | |")
+                continue
+            lines.append(f"| {r['op']} | {r['problem']} | {_f(r.get(f'ckgen_{kind}_us'))} | "
+                         f"{_f(r.get(f'eager_{kind}_us'))} | {_f(r.get(f'compile_{kind}_us'))} | "
+                         f"{_f(_ratio(r, 'eager', kind), '.2f')}x | {_f(_ratio(r, 'compile', kind), '.2f')}x | "
+                         f"{r.get('source', '')} | {r.get('eager_kind', '')} |")
+        lines.append("")
+    errs = [f"- {r['op']} {r['problem']}: torch.compile failed: {r['compile_error']}" for r in rows
+            if "compile_error" in r]
+    if errs:
+        lines += ["## Notes", "", *errs, ""]
+    md = out / f"bench-{dev}.md"
+    md.write_text("\n".join(lines))
+    (out / f"bench-{dev}.json").write_text(json.dumps({"device": info.name, "arch": info.target.arch,
+                                                       "rows": rows}, indent=1))
+    try:
+        plot(ok, out / f"bench-{dev}.png", info.name)
+    except Exception as e:  # noqa: BLE001 - no matplotlib, or a plotting problem: the tables stand
+        print(f"ckgen bench: no plot ({e.__class__.__name__}: {e})", file=sys.stderr)
+    return md
+
+
+def plot(rows: list[dict[str, Any]], path: Path, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        return
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.35 * len(rows)), 8), sharex=True)
+    xs = range(len(rows))
+    for ax, kind, title in ((axes[0], "gpu", "GPU-only"), (axes[1], "host", "host-inclusive")):
+        for i, other in enumerate(("eager", "compile")):
+            vals = [_ratio(r, other, kind) or float("nan") for r in rows]  # nan: not measured
+            ax.bar([x + (i - 0.5) * 0.4 for x in xs], vals, 0.4, label=f"ckgen vs {other}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"speedup ({title})")
+        ax.legend(fontsize=8)
+    axes[1].set_xticks(list(xs))
+    axes[1].set_xticklabels([f"{r['op']} {r['problem'][:40]}" for r in rows], rotation=90, fontsize=6)
+    fig.suptitle(f"ckgen bench, {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -38,7 +38,7 @@ backward: a double backward raises `DoubleBackwardError`.
 # No `from __future__ import annotations`: custom_op reads the real type hints.
 import logging
 import threading
-from typing import Optional
+from typing import List, Optional  # typing.List: custom_op reads it on every torch since 2.4
 
 import torch
 import torch.nn.functional as F
@@ -402,7 +402,7 @@ def _(dy, x, mean, rstd, groups, gamma=None, beta=None, activation="none"):
 # Pooling ops
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("ckgen::maxpool2d_fwd", mutates_args=(), device_types="cuda")
-def maxpool2d_fwd(x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int], dilation: list[int],
+def maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
                   ceil_mode: bool) -> Tensor:
     why = _not_served("maxpool2d_fwd", x, return_indices=False,
                       **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
@@ -426,8 +426,8 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
 
 
 @torch.library.custom_op("ckgen::maxpool2d_fwd_with_indices", mutates_args=(), device_types="cuda")
-def maxpool2d_fwd_with_indices(x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
-                               dilation: list[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
+def maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                               dilation: List[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
     why = _not_served("maxpool2d_fwd", x, return_indices=True,
                       **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
     if why:
@@ -452,8 +452,8 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
 
 
 @torch.library.custom_op("ckgen::maxpool2d_bwd", mutates_args=(), device_types="cuda")
-def maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
-                  dilation: list[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
+def maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                  dilation: List[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
     why = _not_served("maxpool2d_bwd", x, indices="recompute" if indices is None else "stored",
                       **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
     if why:
@@ -478,7 +478,7 @@ def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
 
 
 @torch.library.custom_op("ckgen::avgpool2d_fwd", mutates_args=(), device_types="cuda")
-def avgpool2d_fwd(x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int], ceil_mode: bool,
+def avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], ceil_mode: bool,
                   count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
     why = _not_served("avgpool2d_fwd", x, count_include_pad=bool(count_include_pad),
                       divisor_override=divisor_override, **_pool_fields(kernel_size, stride, padding, None, ceil_mode))
@@ -503,7 +503,7 @@ def _(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_ove
 
 
 @torch.library.custom_op("ckgen::avgpool2d_bwd", mutates_args=(), device_types="cuda")
-def avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: list[int], stride: list[int], padding: list[int],
+def avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
                   ceil_mode: bool, count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
     why = _not_served("avgpool2d_bwd", x, count_include_pad=bool(count_include_pad),
                       divisor_override=divisor_override, **_pool_fields(kernel_size, stride, padding, None, ceil_mode))

@@ -12,8 +12,9 @@ timed three ways, on torch tensors:
 - compile: torch.compile of the eager function (dynamic=False).
 
 GPU-only us: CUDA events around each call with L2 flushed before it, median (ckgen.bench.Timer,
-as the tuner times). Host-inclusive us: the wall clock of back-to-back calls, synchronized, per
-call: what a Python caller sees, dispatch overhead included (no L2 flush between calls).
+as the tuner times). Host-inclusive us: Timer.back_to_back, rounds of back-to-back calls timed
+event to event, per call, median: what a Python caller sees, dispatch overhead included (no L2
+flush between calls), as bench/*.py report it.
 
 Writes DIR/bench-<device>.md, .json and .png (the plot needs matplotlib). Needs PyTorch and a GPU.
 """
@@ -109,18 +110,6 @@ def callables(op_name: str, p: Any) -> tuple[Callable[[], Any], Callable[[], Any
         (lambda: aten.avg_pool2d_backward(dy, x, k, s, pad, ceil, cip, dv)), "avg_pool2d_backward"
 
 
-def host_us(fn: Callable[[], Any], calls: int = 20) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / calls
-
-
 def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, log=print) -> Path:
     """Time every problem of `ops`; write the report; return the markdown's path."""
     import torch
@@ -151,8 +140,8 @@ def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, lo
                     except Exception as e:  # noqa: BLE001 - recorded; the row goes on
                         row["compile_error"] = f"{e.__class__.__name__}: {str(e)[:200]}"
                 for name, fn in fns.items():
-                    row[f"{name}_gpu_us"] = timer.time(fn).median_us
-                    row[f"{name}_host_us"] = host_us(fn)
+                    gpu = row[f"{name}_gpu_us"] = timer.time(fn).median_us
+                    row[f"{name}_host_us"] = timer.back_to_back(fn, gpu_us=gpu).median_us
             except Exception as e:  # noqa: BLE001 - one problem's failure is data
                 row["error"] = f"{e.__class__.__name__}: {str(e)[:300]}"
             rows.append(row)
@@ -206,7 +195,7 @@ def write(rows: list[dict[str, Any]], info: Any, out: Path, quick: bool) -> Path
     lines = [f"# ckgen bench on {info.name} ({info.target.arch})", "",
              f"ckgen {ckgen.__version__}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
              f"{', --quick' if quick else ''}. GPU-only: CUDA events, L2 flushed before each call, median of 20. "
-             "Host-inclusive: wall clock of 20 back-to-back calls, synchronized, per call. "
+             "Host-inclusive: rounds of back-to-back calls, event to event, per call, median. "
              "eager: PyTorch's op (column 'eager runs'); compile: torch.compile of it. "
              "source: the dispatcher's choice (tuned / nearest / default).", ""]
     for kind, title in (("gpu", "GPU-only us"), ("host", "host-inclusive us")):

@@ -26,8 +26,9 @@ Kernels:
 - CPU: the PyTorch computation (float32 math, same outputs, layouts and dtypes). It is what
   lets the fake kernels, autograd formulas and `torch.library.opcheck` be tested without a GPU;
   the modules in `ckgen.torch` run nn's own op on CPU tensors instead.
-- Fake (meta): output shapes, strides and dtypes exactly as the real op returns them: the
-  input's layout (NCHW-contiguous, else channels-last), float32 (N, G) mean/rstd, int64 indices.
+- Fake (meta): output shapes, strides and dtypes exactly as the real op returns them: outputs
+  shaped like x are torch.empty_like(x) (x's strides), the others take x's layout
+  (NCHW-contiguous, else channels-last); float32 (N, G) mean/rstd, int64 indices.
 
 Autograd (`register_autograd`): groupnorm_fwd saves x, gamma, mean and rstd (and beta with
 swish: the backward kernels recompute the swish input from them); max pooling saves x, plus the
@@ -107,7 +108,16 @@ def _layout(x: Tensor) -> str:
 
 
 def _empty(shape, like: Tensor, fmt: torch.memory_format, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A new tensor of another shape than x, in x's layout (ckgen allocates those this way)."""
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=fmt)
+
+
+def _like_x(result: Tensor, x: Tensor) -> Tensor:
+    """`result` in a tensor like x (torch.empty_like: x's dtype and strides, as ckgen allocates
+    the outputs shaped like x)."""
+    out = torch.empty_like(x)
+    out.copy_(result)
+    return out
 
 
 def _act(activation: str) -> Optional[str]:
@@ -205,7 +215,7 @@ def _acc(x: Tensor) -> torch.dtype:
 
 def ref_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float,
                       activation: str) -> tuple[Tensor, Tensor, Tensor]:
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     N, C, H, W = x.shape
     acc = _acc(x)
     xf = x.to(acc).reshape(N, groups, -1)
@@ -218,11 +228,11 @@ def ref_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor]
         y = y + beta.to(acc).reshape(1, C, 1, 1)
     if _act(activation):
         y = F.silu(y)
-    return y.to(x.dtype).contiguous(memory_format=fmt), mean.float().contiguous(), rstd.float().contiguous()
+    return _like_x(y, x), mean.float().contiguous(), rstd.float().contiguous()
 
 
 def _ref_groupnorm_bwd_all(dy, x, mean, rstd, gamma, beta, groups, activation):
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     N, C, H, W = x.shape
     G = groups
     acc = _acc(x)
@@ -242,7 +252,7 @@ def _ref_groupnorm_bwd_all(dy, x, mean, rstd, gamma, beta, groups, activation):
     gd = (dyf * g if g is not None else dyf).reshape(N, G, -1)
     xh = xhat.reshape(N, G, -1)
     dx = rstd.to(acc).reshape(N, G, 1) * (gd - gd.mean(-1, keepdim=True) - xh * (gd * xh).mean(-1, keepdim=True))
-    dx = dx.reshape(N, C, H, W).to(x.dtype).contiguous(memory_format=fmt)
+    dx = _like_x(dx.reshape(N, C, H, W), x)
     return dx, dgamma.to(x.dtype), dbeta.to(x.dtype)
 
 
@@ -259,14 +269,14 @@ def ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ce
 
 def ref_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     """Overlapping windows' dy are summed in float32 and rounded once, as ckgen does."""
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     if indices is None:
         _, indices = F.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode,
                                   return_indices=True)
     acc = _acc(x)
     dx = torch.ops.aten.max_pool2d_with_indices_backward(dy.to(acc), x.to(acc), list(kernel_size), list(stride),
                                                          list(padding), list(dilation), ceil_mode, indices)
-    return dx.to(x.dtype).contiguous(memory_format=fmt)
+    return _like_x(dx, x)
 
 
 def ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
@@ -277,11 +287,11 @@ def ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_
 
 
 def ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     acc = _acc(x)
     dx = torch.ops.aten.avg_pool2d_backward(dy.to(acc), x.to(acc), list(kernel_size), list(stride), list(padding),
                                             ceil_mode, count_include_pad, divisor_override)
-    return dx.to(x.dtype).contiguous(memory_format=fmt)
+    return _like_x(dx, x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,11 +321,11 @@ def _check_groups(x: Tensor, groups: int) -> None:
 
 @groupnorm_fwd.register_fake
 def _(x, gamma, beta, groups, eps=1e-5, activation="none"):
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     _check_groups(x, groups)
     _act(activation)
     N = x.shape[0]
-    return (_empty(x.shape, x, fmt), x.new_empty((N, groups), dtype=torch.float32),
+    return (torch.empty_like(x), x.new_empty((N, groups), dtype=torch.float32),
             x.new_empty((N, groups), dtype=torch.float32))
 
 
@@ -342,10 +352,10 @@ def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
 
 @groupnorm_bwd.register_fake
 def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     _check_groups(x, groups)
     C = x.shape[1]
-    return _empty(x.shape, x, fmt), x.new_empty((C,)), x.new_empty((C,))
+    return torch.empty_like(x), x.new_empty((C,)), x.new_empty((C,))
 
 
 @torch.library.custom_op("ckgen::groupnorm_bwd_data", mutates_args=(), device_types="cuda")
@@ -367,9 +377,9 @@ def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
 
 @groupnorm_bwd_data.register_fake
 def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     _check_groups(x, groups)
-    return _empty(x.shape, x, fmt)
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("ckgen::groupnorm_bwd_gamma_beta", mutates_args=(), device_types="cuda")
@@ -472,9 +482,9 @@ def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
 
 @maxpool2d_bwd.register_fake
 def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     _pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode)
-    return _empty(x.shape, x, fmt)
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("ckgen::avgpool2d_fwd", mutates_args=(), device_types="cuda")
@@ -523,9 +533,9 @@ def _(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor
 
 @avgpool2d_bwd.register_fake
 def _(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
-    fmt = memory_format_of(x)
+    memory_format_of(x)
     _pool_out_shape(x, kernel_size, stride, padding, (1, 1), ceil_mode)
-    return _empty(x.shape, x, fmt)
+    return torch.empty_like(x)
 
 
 # ---------------------------------------------------------------------------------------------

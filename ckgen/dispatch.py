@@ -267,8 +267,9 @@ def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Seque
         if like.kind != "torch":
             body.append("        graph_keep.append(ws[0])")
         if ws_bytes <= _KEEP_WS_BYTES:  # kept per stream: calls on one stream run in order
+            ns["WS_KEEP"] = lambda: _keep_alloc(ws_bytes)
             body += ["    else:", "        ws = KEPT.get(stream)", "        if ws is None:",
-                     "            ws = KEPT[stream] = WS()"]
+                     "            ws = KEPT[stream] = WS_KEEP()"]
         else:  # large: from the allocator per call, freed (stream-ordered) when the call returns
             body += ["    else:", "        ws = WS()"]
         ptr_of["ws"] = "ws[1]"
@@ -297,6 +298,16 @@ def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Seque
 
     run.source = code
     return run, keep
+
+
+def _keep_alloc(nbytes: int) -> tuple[Any, int]:
+    """A workspace a plan keeps for a stream: from CuPy's pool, whatever the framework. Not from
+    torch's allocator: a kept buffer allocated during torch.compile's CUDA-graph warm-up would
+    sit in the graph's private pool, which must hold only tracked tensors."""
+    import cupy
+
+    mem = cupy.cuda.alloc(nbytes)
+    return mem, mem.ptr
 
 
 def _retry(e: Exception, steps: tuple, stream: int, kargs: int) -> None:

@@ -54,6 +54,13 @@ def fake(monkeypatch):
         monkeypatch.setattr(dispatch, "_launch_kernel", cuda.launch)
         monkeypatch.setattr(dispatch, "_multi_gpu", False)
         monkeypatch.setattr(tensors, "current_stream_fn", lambda ref: (lambda: 77))
+        kept: list = []
+
+        def keep_alloc(nbytes):  # CuPy's pool in real use; host memory here
+            kept.append(torch.empty(nbytes, dtype=torch.uint8))
+            return kept[-1], kept[-1].data_ptr()
+
+        monkeypatch.setattr(dispatch, "_keep_alloc", keep_alloc)
         return cuda
     return make
 

@@ -99,6 +99,10 @@ def memory_format_of(x: Tensor, arg: str = "x") -> torch.memory_format:
         return torch.contiguous_format
     if x.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
+    if not all(isinstance(s, int) for s in x.stride()):
+        # Symbolic strides (torch.compile with dynamic shapes): is_contiguous cannot always prove
+        # the layout of a tensor made with memory_format=channels_last; its stride 1 on C tells.
+        return torch.channels_last if x.stride(1) == 1 and x.stride(3) != 1 else torch.contiguous_format
     raise ValueError(f"{arg}: strides {tuple(x.stride())} are neither NCHW-contiguous nor channels-last; "
                      f"call .contiguous() or .contiguous(memory_format=torch.channels_last)")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -169,8 +168,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 1
         console.print(f"{out}: up to date ({len(instances)} instances)")
         return 0
-    for t in targets:  # a target's folder is rewritten whole: no stale instances stay behind
-        shutil.rmtree(out / t, ignore_errors=True)
+    try:
+        for t in targets:  # a target's generated folders are rewritten whole: no stale instances stay behind
+            library.clear_target(out, t)
+    except ValueError as e:
+        err.print(f"ckgen generate: {e}", markup=False)
+        return 2
     library.write(instances, out)
     console.print(f"wrote {len(instances)} instances for {', '.join(targets)} under {out}")
     if args.no_compile:

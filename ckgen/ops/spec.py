@@ -5,6 +5,7 @@ Nothing here imports CuPy: specs, spaces, rendering and the DB run on machines w
 from __future__ import annotations
 
 import abc
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -17,6 +18,10 @@ DTYPES: dict[str, dict[str, Any]] = {
     "bf16": {"itemsize": 2, "storage": "unsigned short"},
 }
 LAYOUTS = ("nchw", "nhwc")
+# Arch names, whole: they name folders (`ckgen generate` writes generated/<arch>/), so nothing
+# else (a path separator, "..") may pass.
+_CUDA_ARCH = re.compile(r"sm_([0-9]+)a?")
+_HIP_ARCH = re.compile(r"gfx[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -77,12 +82,16 @@ class Target:
 
     @classmethod
     def named(cls, arch: str) -> "Target":
-        if arch.startswith("sm_") and arch[3:].rstrip("a").isdigit():
-            return cls("cuda", arch, 32, int(arch[3:].rstrip("a")) >= 90)
-        if arch.startswith("gfx"):
+        """The target of an arch name: `sm_<digits>[a]` (NVIDIA) or `gfx<hex digits>` (AMD)."""
+        cuda = _CUDA_ARCH.fullmatch(arch) if isinstance(arch, str) else None
+        if cuda:
+            return cls("cuda", arch, 32, int(cuda.group(1)) >= 90)
+        if isinstance(arch, str) and _HIP_ARCH.fullmatch(arch):
             # wave64 on CDNA (gfx9xx), wave32 on RDNA (gfx10xx and later)
             return cls("hip", arch, 64 if arch.startswith("gfx9") else 32, False)
-        raise ValueError(f"target: unknown arch {arch!r}; use sm_XX (NVIDIA) or gfxXXXX (AMD)")
+        shown = repr(arch) if len(repr(arch)) <= 80 else repr(arch)[:77] + "..."
+        raise ValueError(f"target: unknown arch {shown}; use sm_<digits>[a] (NVIDIA, e.g. sm_90) or "
+                         "gfx<hex digits> (AMD, e.g. gfx942)")
 
 
 @dataclass(frozen=True)

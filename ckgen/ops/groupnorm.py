@@ -9,10 +9,11 @@ import numpy as np
 
 from ..space import load_space
 from .numeric import from_storage, round_to, to_storage
-from .spec import DTYPES, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance
+from .spec import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance,
+                   check_choice, check_int, short_repr)
 
 ACTIVATIONS = ("none", "swish")
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = INT32_MAX
 
 
 @dataclass(frozen=True)
@@ -29,18 +30,16 @@ class GroupNormProblem(Problem):
     activation: str = "none"
 
     def __post_init__(self) -> None:
+        # N, C, G and H*W are int32 kernel arguments: each is bounded by 2^31-1.
         for f in ("N", "C", "H", "W", "G"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
+            object.__setattr__(self, f, check_int(f, getattr(self, f)))
+        if self.H * self.W > INT32_MAX:
+            raise ValueError(f"H, W: H*W = {self.H * self.W} exceeds {INT32_MAX} (2^31-1: a 32-bit int in the kernel)")
         if self.C % self.G:
             raise ValueError(f"groups: C={self.C} is not divisible by groups={self.G}; pick G dividing C")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPES)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation: {self.activation!r} is not one of None, 'swish'")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("activation", self.activation, ACTIVATIONS, "None, 'swish'")
 
     @property
     def HW(self) -> int:
@@ -65,7 +64,7 @@ class GroupNormProblem(Problem):
             return cls(int(kv["N"]), int(kv["C"]), int(kv["H"]), int(kv["W"]), int(kv["G"]),
                        kv["dtype"], kv["layout"], kv.get("act", "none"))
         except (KeyError, ValueError) as e:
-            raise ValueError(f"problem key {key!r} is malformed: {e}") from None
+            raise ValueError(f"problem key {short_repr(key)} is malformed: {e}") from None
 
 
 def _regs_per_thread(config: Config) -> int:

@@ -24,6 +24,44 @@ _CUDA_ARCH = re.compile(r"sm_([0-9]+)a?")
 _HIP_ARCH = re.compile(r"gfx[0-9a-f]+")
 
 
+INT32_MAX = 2**31 - 1  # every integer a template or a kernel argument holds is a 32-bit int
+
+
+def short_repr(v: Any) -> str:
+    """repr(v), cut to 80 characters (error messages never render a whole large value)."""
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_int(name: str, v: Any, lo: int = 1, hi: int = INT32_MAX) -> int:
+    """`v` as a Python int in [lo, hi]; ValueError starting with `name` otherwise. NumPy integers
+    are ints; bools, floats and strings are not."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name}: expected an int, got {short_repr(v)} ({type(v).__name__})")
+    v = int(v)
+    if v < lo:
+        raise ValueError(f"{name}: must be {'a positive integer' if lo == 1 else f'>= {lo}'}, got {v}")
+    if v > hi:
+        raise ValueError(f"{name}: {v} exceeds {hi}" + (" (2^31-1: a 32-bit int in the kernel)" if hi == INT32_MAX else ""))
+    return v
+
+
+def check_flag(name: str, v: Any) -> bool:
+    """A bool (Python or NumPy) or the int 0/1; ValueError starting with `name` otherwise."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, np.integer)) and v in (0, 1):
+        return bool(v)
+    raise ValueError(f"{name}: expected a bool, got {short_repr(v)} ({type(v).__name__})")
+
+
+def check_choice(name: str, v: Any, choices: Any, shown: str | None = None) -> str:
+    """One of the strings `choices`; ValueError starting with `name` otherwise."""
+    if not isinstance(v, str) or v not in choices:
+        raise ValueError(f"{name}: {short_repr(v)} is not one of {shown or list(choices)}")
+    return v
+
+
 @dataclass(frozen=True)
 class Support:
     """Whether a config can run a problem; `reason` says why not."""
@@ -89,8 +127,7 @@ class Target:
         if isinstance(arch, str) and _HIP_ARCH.fullmatch(arch):
             # wave64 on CDNA (gfx9xx), wave32 on RDNA (gfx10xx and later)
             return cls("hip", arch, 64 if arch.startswith("gfx9") else 32, False)
-        shown = repr(arch) if len(repr(arch)) <= 80 else repr(arch)[:77] + "..."
-        raise ValueError(f"target: unknown arch {shown}; use sm_<digits>[a] (NVIDIA, e.g. sm_90) or "
+        raise ValueError(f"target: unknown arch {short_repr(arch)}; use sm_<digits>[a] (NVIDIA, e.g. sm_90) or "
                          "gfx<hex digits> (AMD, e.g. gfx942)")
 
 

@@ -78,9 +78,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             except RuntimeError as e:
                 err.print(f"{p.key()}: {e}", markup=False)
                 continue
+            try:
+                dbmod.save_entries(db_path, [db_entry(r, info)])
+            except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+                err.print(f"{p.key()}: {e}", markup=False)
+                continue
             results.append(r)
-            entry = db_entry(r, info)
-            dbmod.save_entries(db_path, [entry])
             table.add_row(p.key(), r.best.instance, f"{r.best.timing.median_us:.1f}",
                           f"{100 * r.best.timing.spread:.0f}%", f"{r.gbps:.0f}", f"{r.efficiency:.2f}",
                           f"{r.speedup_vs_default:.2f}x", str(len(r.failures)))
@@ -96,7 +99,7 @@ def _load_db(args: argparse.Namespace) -> Any:
     from . import db as dbmod
     from . import settings
 
-    return dbmod.load_layered(Path(args.db) if args.db else settings.user_db_path())
+    return dbmod.load_layered(Path(args.db) if args.db else settings.user_db_path(), strict=True)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -234,7 +237,11 @@ def cmd_retune(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             err.print(f"{item.problem}: {e}", markup=False)
             continue
-        dbmod.save_entries(db_path, [db_entry(r, info)])
+        try:
+            dbmod.save_entries(db_path, [db_entry(r, info)])
+        except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+            err.print(f"{item.problem}: {e}", markup=False)
+            continue
         done += 1
         old = r.warm[0].timing.median_us if r.warm else None
         table.add_row(item.problem, item.from_arch,

@@ -665,6 +665,8 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
         _changed()
         return merged
     except filelock.Timeout:
+        if not new:  # nothing to keep
+            return InstanceDB.load(path)
         side = _write_side(path, new)
         _changed()
         _warn(f"ckgen instance DB {path}: its lock was not free within {LOCK_TIMEOUT_S:g} s; the "

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.groupnorm import GroupNormProblem
-from ckgen.ops.pool import AvgPoolProblem, MaxPoolBwdProblem, MaxPoolFwdProblem, PoolProblem
-from ckgen.ops.spec import INT32_MAX, Config, Target
+from ckgen.ops.pool import AvgPoolProblem, MaxPoolBwdProblem, MaxPoolFwdProblem
+from ckgen.ops.spec import INT32_MAX, Target
 
 SM90 = Target.named("sm_90")
 GN = get_op("groupnorm_fwd")

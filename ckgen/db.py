@@ -3,9 +3,9 @@
 Contract (see docs/architecture.md, "Instance database"):
   - The file is YAML read with the safe loader only (libyaml's C loader when PyYAML has it, else
     the pure-Python one) and written with the safe dumper (sorted keys, block style, non-ASCII
-    escaped: both dumpers write the same bytes, and every string reads back exactly); entries are
-    sorted by (op, arch, problem) so diffs are stable. Before loading, the document's event stream
-    is checked: nesting deeper than MAX_DEPTH or aliases expanding beyond MAX_NODES nodes make the
+    escaped, no line folding: both dumpers write the same bytes, and every string reads back
+    exactly); entries are sorted by (op, arch, problem) so diffs are stable. Before loading, the
+    document's event stream is checked: nesting deeper than MAX_DEPTH or aliases expanding beyond MAX_NODES nodes make the
     file corrupt (the loaders would recurse without bound or a renderer would expand the bomb).
   - A file that cannot be read as a DB at all (bad YAML, wrong top level, other schema, hostile
     structure) raises DBCorruptError, with a bounded message, and is never overwritten. One
@@ -47,8 +47,8 @@ LOCK_TIMEOUT_S = 60.0
 MAX_DEPTH = 32  # a DB nests 4 levels (top, entries, entry, config); the loaders recurse per level
 MAX_NODES = 10_000_000  # YAML nodes with every alias expanded (an alias bomb has billions)
 MAX_MESSAGE = 500  # characters of a reason or corruption message: never a whole value
-STALE_SIDE_TEMP_S = 600.0
-_NO_FOLDING = 2**30  # the dumpers' line width  # a side file's temp older than this is a crashed writer's
+STALE_SIDE_TEMP_S = 600.0  # a side file's temp older than this is a crashed writer's
+_NO_FOLDING = 2**30  # the dumpers' line width: no line is folded
 
 # libyaml's C loader and dumper are several times faster than the pure-Python ones.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -13,7 +13,6 @@ from .spec import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, OpSpec, Problem, 
                    check_choice, check_int, short_repr)
 
 ACTIVATIONS = ("none", "swish")
-_INT32_MAX = INT32_MAX
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ class GroupNormFwd(GroupNormOp):
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         if cluster > 1 and not target.clusters:
             return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
-        if p.Cg * p.HW // vec > _INT32_MAX:
+        if p.Cg * p.HW // vec > INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
         # regs: x held packed (itemsize bytes per value); reload: vectors in flight, unpacked
         regs_needed = (items * vec * item // 4 if config["slice_in"] == "regs" else items * vec // 2) + 32
@@ -184,7 +183,7 @@ class GroupNormFwd(GroupNormOp):
             if split > 1 and share < rows:
                 return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
         tiles = p.N * (p.G // gpb) * split
-        if tiles > _INT32_MAX:
+        if tiles > INT32_MAX:
             return Support.no("grid too large")
         return Support.yes()
 

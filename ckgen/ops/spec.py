@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -27,9 +28,17 @@ _HIP_ARCH = re.compile(r"gfx[0-9a-f]+")
 INT32_MAX = 2**31 - 1  # every integer a template or a kernel argument holds is a 32-bit int
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxtuple = 2, 60, 60, 4, 4
+
+
 def short_repr(v: Any) -> str:
-    """repr(v), cut to 80 characters (error messages never render a whole large value)."""
-    text = repr(v)
+    """A bounded repr of v, at most 80 characters: an error message never renders (or spends
+    time on) a whole large value."""
+    try:
+        text = _REPR.repr(v)
+    except Exception:  # noqa: BLE001 - a repr that fails still gets a name
+        text = f"<{type(v).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 

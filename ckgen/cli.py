@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -79,9 +78,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             except RuntimeError as e:
                 err.print(f"{p.key()}: {e}", markup=False)
                 continue
+            try:
+                dbmod.save_entries(db_path, [db_entry(r, info)])
+            except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+                err.print(f"{p.key()}: {e}", markup=False)
+                continue
             results.append(r)
-            entry = db_entry(r, info)
-            dbmod.save_entries(db_path, [entry])
             table.add_row(p.key(), r.best.instance, f"{r.best.timing.median_us:.1f}",
                           f"{100 * r.best.timing.spread:.0f}%", f"{r.gbps:.0f}", f"{r.efficiency:.2f}",
                           f"{r.speedup_vs_default:.2f}x", str(len(r.failures)))
@@ -97,7 +99,7 @@ def _load_db(args: argparse.Namespace) -> Any:
     from . import db as dbmod
     from . import settings
 
-    return dbmod.load_layered(Path(args.db) if args.db else settings.user_db_path())
+    return dbmod.load_layered(Path(args.db) if args.db else settings.user_db_path(), strict=True)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -169,8 +171,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 1
         console.print(f"{out}: up to date ({len(instances)} instances)")
         return 0
-    for t in targets:  # a target's folder is rewritten whole: no stale instances stay behind
-        shutil.rmtree(out / t, ignore_errors=True)
+    try:
+        for t in targets:  # a target's generated folders are rewritten whole: no stale instances stay behind
+            library.clear_target(out, t)
+    except ValueError as e:
+        err.print(f"ckgen generate: {e}", markup=False)
+        return 2
     library.write(instances, out)
     console.print(f"wrote {len(instances)} instances for {', '.join(targets)} under {out}")
     if args.no_compile:
@@ -231,7 +237,11 @@ def cmd_retune(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             err.print(f"{item.problem}: {e}", markup=False)
             continue
-        dbmod.save_entries(db_path, [db_entry(r, info)])
+        try:
+            dbmod.save_entries(db_path, [db_entry(r, info)])
+        except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+            err.print(f"{item.problem}: {e}", markup=False)
+            continue
         done += 1
         old = r.warm[0].timing.median_us if r.warm else None
         table.add_row(item.problem, item.from_arch,

@@ -1,13 +1,24 @@
 """The YAML instance database: tuned winners per (op, arch, problem).
 
-Contract (see docs/architecture.md, "The instance database"):
-  - The file is YAML read with `yaml.safe_load` only and written with `yaml.safe_dump`
-    (sorted keys, block style); entries are sorted by (op, arch, problem) so diffs are stable.
-  - A file that cannot be read as a DB at all (bad YAML, wrong top level, other schema) raises
-    DBCorruptError and is never overwritten. One malformed entry is skipped with one warning;
-    the rest of the file stays usable.
+Contract (see docs/architecture.md, "Instance database"):
+  - The file is YAML read with the safe loader only (libyaml's C loader when PyYAML has it, else
+    the pure-Python one) and written with the safe dumper (sorted keys, block style, non-ASCII
+    escaped, no line folding: both dumpers write the same bytes, and every string reads back
+    exactly); entries are sorted by (op, arch, problem) so diffs are stable. Before loading, the
+    document's event stream is checked: nesting deeper than MAX_DEPTH or aliases expanding beyond MAX_NODES nodes make the
+    file corrupt (the loaders would recurse without bound or a renderer would expand the bomb).
+  - A file that cannot be read as a DB at all (bad YAML, wrong top level, other schema, hostile
+    structure) raises DBCorruptError, with a bounded message, and is never overwritten. One
+    malformed entry (a bad field, an unknown op, a problem key its op cannot parse) is skipped
+    with one warning; the rest of the file stays usable.
   - Writes merge with what is on disk under a file lock and replace the file atomically
-    (temp file + fsync + os.replace), so concurrent tuners on one file lose nothing.
+    (temp file + fsync + os.replace), keeping the file's mode, so concurrent tuners on one file
+    lose nothing. A save that cannot get the lock within LOCK_TIMEOUT_S, or that finds the file
+    corrupt, keeps its entries in a side file `<name>.pending-<pid>-<hex>.yaml` beside the DB:
+    every load merges side files, and the next save folds them into the file and removes them.
+    Temp files of crashed saves are removed by the next save.
+  - `load_layered` (the dispatcher's view) degrades: a corrupt user DB is warned about once and
+    the shipped DB (and the user DB's side files) stay in use.
 
 Nothing here imports CuPy.
 """
@@ -19,7 +30,10 @@ import datetime as _dt
 import importlib.resources
 import math
 import os
-import tempfile
+import reprlib
+import secrets
+import stat
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +44,15 @@ import yaml
 
 SCHEMA_VERSION = 1
 LOCK_TIMEOUT_S = 60.0
+MAX_DEPTH = 32  # a DB nests 4 levels (top, entries, entry, config); the loaders recurse per level
+MAX_NODES = 10_000_000  # YAML nodes with every alias expanded (an alias bomb has billions)
+MAX_MESSAGE = 500  # characters of a reason or corruption message: never a whole value
+STALE_SIDE_TEMP_S = 600.0  # a side file's temp older than this is a crashed writer's
+_NO_FOLDING = 2**30  # the dumpers' line width: no line is folded
+
+# libyaml's C loader and dumper are several times faster than the pure-Python ones.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 Ident = tuple[str, str, str]  # (op, arch, problem)
 _SCALARS = (str, int, float, bool, type(None))
@@ -48,11 +71,16 @@ class DBError(ValueError):
 
 
 class DBCorruptError(DBError):
-    """The DB file as a whole cannot be used; `path` names it. Nothing was written to it."""
+    """The DB file as a whole cannot be used; `path` names it. Nothing was written to it.
+    `kept`: the side file a save put its new entries in instead (None if none)."""
 
-    def __init__(self, path: Path | str, what: str) -> None:
+    def __init__(self, path: Path | str, what: str, kept: Path | None = None) -> None:
         self.path = Path(path)
-        super().__init__(f"ckgen instance DB {self.path}: {what}; {_UNTOUCHED}")
+        self.what = _bounded(what)
+        self.kept = kept
+        extra = (f"; the new entries were kept in {kept.name} beside it, merged by every load and "
+                 "folded in once the file is fixed or moved aside") if kept else ""
+        super().__init__(f"ckgen instance DB {self.path}: {self.what}; {_UNTOUCHED}{extra}")
 
 
 class DBWarning(UserWarning):
@@ -60,6 +88,25 @@ class DBWarning(UserWarning):
 
 
 # ----------------------------------------------------------------------------- values
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def _short(value: Any) -> str:
+    """A bounded repr: a huge, deep, self-referencing or alias-bomb value renders in a few
+    characters (the full repr of a 675-byte alias bomb needs gigabytes)."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails still gets a name
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _bounded(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE - 3] + "..."
 
 
 def _plain(value: Any) -> Any:
@@ -75,16 +122,16 @@ def _pairs(name: str, value: Any, allowed: tuple[type, ...]) -> tuple[tuple[str,
         try:
             value = dict(value)
         except (TypeError, ValueError) as e:
-            raise DBError(f"field {name!r}: not (name, value) pairs ({e})") from None
+            raise DBError(f"field {name!r}: not (name, value) pairs ({_bounded(str(e))})") from None
     if not isinstance(value, Mapping):
         raise DBError(f"field {name!r}: expected a mapping, got {type(value).__name__}")
     out: dict[str, Any] = {}
     for k, v in value.items():
         v = _plain(v)
         if not isinstance(k, str):
-            raise DBError(f"field {name!r}: key {k!r} is not a string")
+            raise DBError(f"field {name!r}: key {_short(k)} is not a string")
         if not isinstance(v, allowed):
-            raise DBError(f"field {name!r}: value of {k!r} is a {type(v).__name__}")
+            raise DBError(f"field {name!r}: value of {_short(k)} is a {type(v).__name__}")
         out[k] = v
     return tuple(sorted(out.items()))
 
@@ -93,14 +140,18 @@ def _number(name: str, value: Any) -> float:
     """A finite real number as float (YAML ints accepted, bools not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DBError(f"field {name!r}: expected a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise DBError(f"field {name!r}: {value} is not finite")
-    return float(value)
+    try:
+        f = float(value)
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not math.isfinite(f):
+        raise DBError(f"field {name!r}: {_short(value)} is not finite")
+    return f
 
 
 def _text(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise DBError(f"field {name!r}: expected a non-empty string, got {value!r}")
+        raise DBError(f"field {name!r}: expected a non-empty string, got {_short(value)}")
     return value
 
 
@@ -125,6 +176,7 @@ class Entry:
     def __post_init__(self) -> None:
         for name in ("op", "vendor", "arch", "device", "problem", "instance", "source_sha256"):
             _text(name, getattr(self, name))
+        object.__setattr__(self, "problem", _problem_key(self.op, self.problem))
         for name in ("time_us", "gbps", "default_time_us"):
             object.__setattr__(self, name, _number(name, getattr(self, name)))
         object.__setattr__(self, "config", _pairs("config", self.config, (str, int, float)))
@@ -183,6 +235,22 @@ class Entry:
             default_time_us=_field(d, "default_time_us"),
             provenance=d.get("provenance") or {},
         )
+
+
+def _problem_key(op: str, key: str) -> str:
+    """`key` parsed by its op (and written back in its canonical form); DBError for an unknown
+    op or a key the op cannot parse. So every entry's problem parses: the dispatcher's nearest
+    fallback, the library and retune parse every key of an op and arch."""
+    from .ops import get_op  # lazily: the op registry imports the templates' spaces
+
+    try:
+        spec = get_op(op)
+    except ValueError:
+        raise DBError(f"field 'op': unknown op {_short(op)}") from None
+    try:
+        return spec.problem_from_key(key).key()
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise DBError(f"field 'problem': {_bounded(str(e))}") from None
 
 
 def _field(d: Mapping[str, Any], name: str, prefix: str = "") -> Any:
@@ -260,7 +328,8 @@ class InstanceDB:
         """Read a DB file. Missing file: empty DB. Unusable file: DBCorruptError. Malformed
         entries are skipped (reasons in `skipped`) with one DBWarning for the whole load."""
         path = Path(path)
-        return _load(path, _read(path))
+        pending = _read_pending(path)  # first: a side file folded meanwhile is in the file read next
+        return _load(path, _read(path), pending)
 
     def lookup(self, op: str, arch: str, problem: str) -> Entry | None:
         """The entry for exactly this (op, arch, problem), or None."""
@@ -296,12 +365,18 @@ class InstanceDB:
         return InstanceDB(entries, None, skipped)
 
 
-def _load(path: Path, contents: _Contents) -> InstanceDB:
-    skipped = contents.skipped
+def _load(path: Path, contents: _Contents, pending: list[tuple[Path, _Contents]] = ()) -> InstanceDB:
+    """The DB of a file's contents and its side files' (merged by the merge rule), with one
+    DBWarning for all malformed entries."""
+    skipped = list(contents.skipped)
+    entries = list(contents.entries)
+    for side, c in pending:
+        skipped += [f"{side.name} {s}" for s in c.skipped]
+        entries += c.entries
     if skipped:
         _warn(f"ckgen instance DB {path}: skipped {_count(len(skipped))} malformed "
               f"(first: {skipped[0]}); the other entries are in use")
-    return InstanceDB(tuple(_merge((), contents.entries)), path, tuple(skipped))
+    return InstanceDB(tuple(_merge((), entries)), path, tuple(skipped))
 
 
 def _name(e: Entry) -> str:
@@ -313,7 +388,7 @@ def _count(n: int) -> str:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, DBWarning, stacklevel=3)
+    warnings.warn(_bounded(message), DBWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -331,11 +406,68 @@ def _read(path: Path) -> _Contents:
     except FileNotFoundError:
         return _Contents([], [], [])
     try:
-        doc = yaml.safe_load(raw.decode("utf-8"))
+        return _interpret(path, _parse(path, raw))
+    except (RecursionError, MemoryError) as e:  # defence in depth: _parse bounds both
+        raise DBCorruptError(path, f"too deeply nested or too large to read ({type(e).__name__})") from None
+
+
+def _parse(path: Path, raw: bytes) -> Any:
+    """The YAML document of `raw`, after its event stream passed `_check_structure`."""
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DBCorruptError(path, f"not UTF-8 text ({e})") from None
+    try:
+        _check_structure(path, text)
+        return yaml.load(text, Loader=_LOADER)  # noqa: S506 - a safe loader (C or Python)
+    except DBCorruptError:
+        raise
     except yaml.YAMLError as e:
         raise DBCorruptError(path, f"not valid YAML ({_yaml_where(e)})") from None
+    except ValueError as e:  # e.g. an int of more digits than Python converts
+        raise DBCorruptError(path, f"a value cannot be read ({_bounded(str(e))})") from None
+
+
+def _check_structure(path: Path, text: str) -> None:
+    """Walk the YAML events (iterative, no recursion, no values built): DBCorruptError if the
+    nesting is deeper than MAX_DEPTH or aliases expand to more than MAX_NODES nodes. The
+    loaders recurse once per level (the C one overflows the C stack at ~100,000 levels, the
+    Python one raises RecursionError) and an alias bomb is small on disk but astronomic
+    expanded."""
+    stack: list[list[Any]] = [[None, 0]]  # per open collection: [anchor, nodes expanded so far]
+    sizes: dict[str, int] = {}  # anchor -> nodes of its value, expanded
+    total = 0
+    starts = (yaml.MappingStartEvent, yaml.SequenceStartEvent)
+    ends = (yaml.MappingEndEvent, yaml.SequenceEndEvent)
+    for ev in yaml.parse(text, Loader=_LOADER):
+        kind = type(ev)
+        if kind is yaml.ScalarEvent:
+            if ev.anchor is not None:
+                sizes[ev.anchor] = 1
+            stack[-1][1] += 1
+            total += 1
+        elif kind in starts:
+            if len(stack) > MAX_DEPTH:
+                raise DBCorruptError(path, f"nested deeper than {MAX_DEPTH} levels (line {ev.start_mark.line + 1}); "
+                                           "a ckgen DB nests 4")
+            stack.append([ev.anchor, 1])
+            total += 1
+        elif kind in ends:
+            anchor, n = stack.pop()
+            if anchor is not None:
+                sizes[anchor] = n
+            stack[-1][1] += n
+        elif kind is yaml.AliasEvent:
+            n = sizes.get(ev.anchor, 1)
+            stack[-1][1] += n
+            total += n
+            if total > MAX_NODES:
+                raise DBCorruptError(path, f"aliases expand it beyond {MAX_NODES:,} nodes (an alias bomb?)")
+    if total > MAX_NODES:
+        raise DBCorruptError(path, f"it has over {MAX_NODES:,} nodes")
+
+
+def _interpret(path: Path, doc: Any) -> _Contents:
     if doc is None:
         return _Contents([], [], [])
     if not isinstance(doc, dict):
@@ -343,7 +475,7 @@ def _read(path: Path) -> _Contents:
                                    "with 'schema' and 'entries'")
     schema = doc.get("schema")
     if schema != SCHEMA_VERSION or isinstance(schema, bool):
-        raise DBCorruptError(path, f"schema version {schema!r}, this ckgen reads schema "
+        raise DBCorruptError(path, f"schema version {_short(schema)}, this ckgen reads schema "
                                    f"{SCHEMA_VERSION}")
     items = doc.get("entries") or []
     if not isinstance(items, list):
@@ -360,10 +492,31 @@ def _read(path: Path) -> _Contents:
 
 def _yaml_where(e: yaml.YAMLError) -> str:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-    problem = getattr(e, "problem", None) or str(e)
+    problem = _bounded(str(getattr(e, "problem", None) or e))
     if mark is None:
         return problem
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+
+def _side_files(path: Path) -> list[Path]:
+    """The side files of the DB at `path` (`<name>.pending-<pid>-<hex>.yaml`), oldest name first."""
+    prefix = f"{path.name}.pending-"
+    try:
+        names = os.listdir(path.parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [path.parent / n for n in sorted(names) if n.startswith(prefix) and n.endswith(".yaml")]
+
+
+def _read_pending(path: Path) -> list[tuple[Path, _Contents]]:
+    """Each side file's contents; a corrupt one is warned about, left alone and not used."""
+    out = []
+    for side in _side_files(path):
+        try:
+            out.append((side, _read(side)))
+        except DBCorruptError as e:
+            _warn(f"{e} (a side file of {path.name}: not used)")
+    return out
 
 
 # ----------------------------------------------------------------------------- writing
@@ -376,30 +529,81 @@ def _lock(path: Path) -> filelock.FileLock:
 def _dump(entries: Iterable[Entry], malformed: Iterable[Any] = ()) -> str:
     """The file text: sorted entries, then malformed items as read (kept for a hand fix)."""
     body = {"schema": SCHEMA_VERSION, "entries": [*(e.to_dict() for e in entries), *malformed]}
-    return _HEADER + yaml.safe_dump(body, sort_keys=True, default_flow_style=False,
-                                    allow_unicode=True)
+    # Non-ASCII escaped and no line folding: the C and the pure-Python dumpers then write the
+    # same bytes, and every string reads back exactly (with allow_unicode the Python emitter
+    # writes a raw U+0085, which loaders read back as a space; the two fold long quoted
+    # strings differently).
+    return _HEADER + yaml.dump(body, Dumper=_DUMPER, sort_keys=True, default_flow_style=False,
+                               allow_unicode=False, width=_NO_FOLDING)
+
+
+def _new_temp(folder: Path, prefix: str) -> tuple[int, Path]:
+    """A new file `<prefix><hex>.tmp` in `folder`, opened for writing. Created with mode 0666,
+    so the umask applies as to any new file (tempfile's 0600 made saved DBs private)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = folder / f"{prefix}{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def _write_file(dest: Path, text: str, prefix: str, mode_of: Path) -> None:
+    """Write `text` to a temp file beside `dest` (mode: that of `mode_of` if it exists, else the
+    umask's), fsync it, then os.replace it onto `dest`. On any error the temp file is removed
+    and `dest` is unchanged."""
+    fd, tmp = _new_temp(dest.parent, prefix)
+    try:
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                mode = stat.S_IMODE(os.stat(mode_of).st_mode)
+                if hasattr(os, "fchmod"):
+                    os.fchmod(fd, mode)
+                else:  # pragma: no cover - Windows before 3.13
+                    os.chmod(tmp, mode)
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                fd = -1
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(dest.parent)
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to a temp file beside `path`, fsync it, then os.replace it onto `path`.
-    On any error the temp file is removed and `path` is unchanged."""
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False,
-                                     prefix=f".{path.name}.", suffix=".tmp") as tmp:
-        tmp_path = Path(tmp.name)
-        try:
-            tmp.write(text)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        except BaseException:
-            tmp.close()
-            tmp_path.unlink(missing_ok=True)
-            raise
-    try:
-        os.replace(tmp_path, path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    """Replace the DB file at `path` with `text`, keeping its mode (call under the lock)."""
+    _write_file(path, text, f".{path.name}.save-", path)
+
+
+def _write_side(path: Path, entries: list[Entry]) -> Path:
+    """Keep `entries` in a new side file of the DB at `path` (no lock needed: the name is
+    unique and appears whole); returns it."""
+    side = path.parent / f"{path.name}.pending-{os.getpid()}-{secrets.token_hex(6)}.yaml"
+    _write_file(side, _dump(sorted(entries, key=_sort_key)), f".{path.name}.side-", path)
+    return side
+
+
+def _clean_temps(path: Path) -> None:
+    """Remove the temp files crashed saves of the DB at `path` left (call under the lock: no
+    save is writing one then). A side file's temp is written without the lock, so only an old
+    one is removed."""
+    prefix, now = f".{path.name}.", time.time()
+    with contextlib.suppress(OSError):
+        for n in os.listdir(path.parent):
+            if not (n.startswith(prefix) and n.endswith(".tmp")):
+                continue
+            tmp = path.parent / n
+            with contextlib.suppress(OSError):
+                if n.startswith(f"{prefix}side-") and now - tmp.stat().st_mtime < STALE_SIDE_TEMP_S:
+                    continue
+                tmp.unlink()
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -430,35 +634,69 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
     """Merge `new` into the DB file at `path` under its lock and write it atomically.
 
     For one ident the entry with the later provenance date wins (equal or missing: the new
-    one). Malformed items already in the file are written back verbatim after the entries
-    (and warned about, as by `load`). A corrupt file raises DBCorruptError and is not
-    written. Returns the merged DB.
+    one). Side files are folded in and removed; malformed items already in the file are
+    written back verbatim after the entries (and warned about, as by `load`). Returns the
+    merged DB. A save never loses its entries:
+      - lock not free within LOCK_TIMEOUT_S (other savers): the entries go to a side file,
+        with a DBWarning; the returned view is the file's plus its side files';
+      - a corrupt file: it is not written; the entries go to a side file and DBCorruptError
+        (its `kept` names the side file) is raised.
     """
     path = Path(path)
     new = list(new)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(path):
-        contents = _read(path)
-        on_disk = _load(path, contents)
-        merged = InstanceDB(tuple(_merge(on_disk.entries, new)), path, on_disk.skipped)
-        _write_atomic(path, _dump(merged.entries, contents.malformed))
-    _changed()
-    return merged
+    try:
+        with _lock(path):
+            _clean_temps(path)
+            pending = _read_pending(path)
+            try:
+                contents = _read(path)
+            except DBCorruptError as e:
+                side = _write_side(path, new) if new else None
+                if side is not None:
+                    _changed()  # the view (its side files) changed
+                raise DBCorruptError(path, e.what, side) from None
+            on_disk = _load(path, contents, pending)
+            merged = InstanceDB(tuple(_merge(on_disk.entries, new)), path, on_disk.skipped)
+            malformed = contents.malformed + [m for _, c in pending for m in c.malformed]
+            _write_atomic(path, _dump(merged.entries, malformed))
+            for side, _ in pending:
+                side.unlink(missing_ok=True)
+        _changed()
+        return merged
+    except filelock.Timeout:
+        if not new:  # nothing to keep
+            return InstanceDB.load(path)
+        side = _write_side(path, new)
+        _changed()
+        _warn(f"ckgen instance DB {path}: its lock was not free within {LOCK_TIMEOUT_S:g} s; the "
+              f"{_count(len(new))} were kept in {side.name}, merged by every load and folded into "
+              "the file by the next save")
+        try:
+            return InstanceDB.load(path)
+        except DBCorruptError as e:
+            raise DBCorruptError(path, e.what, side) from None
 
 
 def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
-    """Remove the entries for which `pred` is true, under the lock, atomically.
-    Returns how many were removed (the file is not rewritten when none)."""
+    """Remove the entries for which `pred` is true (side files folded in first), under the
+    lock, atomically. Returns how many were removed (the file is not rewritten when none and
+    there are no side files)."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not _side_files(path):
         return 0
     with _lock(path):
+        _clean_temps(path)
+        pending = _read_pending(path)
         contents = _read(path)
-        on_disk = _load(path, contents)
+        on_disk = _load(path, contents, pending)
         kept = tuple(e for e in on_disk.entries if not pred(e))
         removed = len(on_disk.entries) - len(kept)
-        if removed:
-            _write_atomic(path, _dump(kept, contents.malformed))
+        if removed or pending:
+            malformed = contents.malformed + [m for _, c in pending for m in c.malformed]
+            _write_atomic(path, _dump(kept, malformed))
+            for side, _ in pending:
+                side.unlink(missing_ok=True)
     if removed:
         _changed()
     return removed
@@ -486,6 +724,36 @@ def export_csv(db: InstanceDB, stream: IO[str]) -> None:
                          repr(e.time_us), repr(e.gbps), repr(e.default_time_us), config])
 
 
-def load_layered(user_path: Path | str) -> InstanceDB:
-    """The view every reader uses: the user DB at `user_path` over the shipped DB."""
-    return InstanceDB.layered(InstanceDB.load(user_path), InstanceDB.load(shipped_db_path()))
+_warned_corrupt: set[tuple[str, int, int]] = set()
+
+
+def load_layered(user_path: Path | str, *, strict: bool = False) -> InstanceDB:
+    """The view every reader uses: the user DB at `user_path` over the shipped DB.
+
+    strict (the CLI's `db show`/`export`/`retune`): a corrupt file raises DBCorruptError.
+    Otherwise (the dispatcher): a corrupt file is left untouched and warned about once per
+    file version; the other DB, and a corrupt user DB's side files, stay in use, so op calls
+    keep working."""
+    user_path = Path(user_path)
+    layers = []
+    for path in (user_path, shipped_db_path()):
+        try:
+            layers.append(InstanceDB.load(path))
+        except DBCorruptError as e:
+            if strict:
+                raise
+            _warn_corrupt_once(e)
+            if path == user_path:
+                layers.append(_load(path, _Contents([], [], []), _read_pending(path)))
+    return InstanceDB.layered(*layers)
+
+
+def _warn_corrupt_once(e: DBCorruptError) -> None:
+    try:
+        st = e.path.stat()
+        version = (str(e.path), st.st_mtime_ns, st.st_size)
+    except OSError:
+        version = (str(e.path), 0, 0)
+    if version not in _warned_corrupt:
+        _warned_corrupt.add(version)
+        _warn(f"{e}; it is not used: ckgen goes on with the other DB")

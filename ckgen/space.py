@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -10,6 +11,18 @@ from typing import Any, Callable
 import yaml
 
 from .ops.spec import Config, Support
+
+
+def _same_kind(value: Any, allowed: Any) -> bool:
+    """Is `value` of the kind of the space's value `allowed`? Membership alone is not enough:
+    1024.0 and True compare equal to 1024 and 1, and would render as `1024.0` or `True`."""
+    if isinstance(allowed, bool):
+        return isinstance(value, bool)
+    if isinstance(allowed, numbers.Integral):
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if isinstance(allowed, numbers.Real):
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return type(value) is type(allowed)
 
 
 @dataclass(frozen=True)
@@ -38,10 +51,12 @@ class Space:
         return dict(self.tile + self.algo)
 
     def check(self, config: Config) -> Support:
-        """Is `config` a point of this space (names, values, constraints)?"""
-        hit = self._memo.get(config)
+        """Is `config` a point of this space (names, value types and values, constraints)?"""
+        # Keyed with the value types too: 1024.0 == 1024 and True == 1 hash alike.
+        memo_key = (config, tuple(type(v) for _, v in config.items))
+        hit = self._memo.get(memo_key)
         if hit is None:
-            hit = self._memo[config] = self._check(config)
+            hit = self._memo[memo_key] = self._check(config)
         return hit
 
     def _check(self, config: Config) -> Support:
@@ -52,8 +67,8 @@ class Space:
         if missing or extra:
             return Support.no(f"config keys differ from the space: missing {missing}, unknown {extra}")
         for name, value in values.items():
-            if value not in params[name]:
-                return Support.no(f"{name}={value!r} is not one of {list(params[name])}")
+            if not any(_same_kind(value, v) and value == v for v in params[name]):
+                return Support.no(f"{name}={value!r} ({type(value).__name__}) is not one of {list(params[name])}")
         for c in self.constraints:
             if not c.check(values):
                 return Support.no(c.reason)

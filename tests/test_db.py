@@ -4,6 +4,9 @@ from __future__ import annotations
 import csv
 import io
 import multiprocessing
+import os
+import stat
+import time
 import warnings
 from pathlib import Path
 
@@ -12,16 +15,29 @@ import yaml
 
 from ckgen import db
 from ckgen.db import DBCorruptError, DBError, DBWarning, Entry, InstanceDB
+from ckgen.ops import get_op
 
 
-def make(op: str = "groupnorm_fwd", arch: str = "sm_90", problem: str = "N=8,C=320",
+_TAGS = ("a", "b", "c", "p1", "p2", "p9", "g1", "g2", "bad", "bad1", "bad2", "new")
+
+
+def key(tag: str | int, op: str = "groupnorm_fwd") -> str:
+    """A valid problem key of `op`, one per tag (a name of _TAGS or a number: N=1, 2, ...)."""
+    n = tag if isinstance(tag, int) else _TAGS.index(tag) + 1
+    spec = get_op(op)
+    if op.startswith("groupnorm"):
+        return spec.parse_problem(N=n, C=320, H=8, W=8, G=32, dtype="bf16", layout="nhwc").key()
+    return spec.parse_problem(N=n, C=16, H=9, W=9, dtype="bf16", layout="nhwc", kernel=3, stride=2, padding=1).key()
+
+
+def make(op: str = "groupnorm_fwd", arch: str = "sm_90", problem: str | int = "a",
          date: str | None = "2026-11-22T10:00:00+00:00", time_us: float = 12.5,
          **config: object) -> Entry:
     prov: dict[str, object] = {"ckgen": "0.1.0", "trials": 40, "tuning_seconds": 55.2}
     if date is not None:
         prov["date"] = date
     return Entry(op=op, vendor="cuda", arch=arch, device="NVIDIA H100 80GB HBM3",
-                 problem=problem, config=config or {"threads": 512, "vec_bytes": 16},
+                 problem=key(problem, op), config=config or {"threads": 512, "vec_bytes": 16},
                  instance=f"ckgen_{op}_x", source_sha256="ab" * 32, time_us=time_us,
                  gbps=2345.6, default_time_us=20.1, provenance=prov)
 
@@ -36,7 +52,7 @@ def no_temp_files(folder: Path, keep: set[str]) -> bool:
 def test_entry_dict_round_trip_and_sorted_pairs() -> None:
     e = make(vec_bytes=16, threads=256)
     assert e.config == (("threads", 256), ("vec_bytes", 16))
-    assert e.ident == ("groupnorm_fwd", "sm_90", "N=8,C=320")
+    assert e.ident == ("groupnorm_fwd", "sm_90", key("a"))
     d = e.to_dict()
     assert d["target"] == {"vendor": "cuda", "arch": "sm_90", "device": "NVIDIA H100 80GB HBM3"}
     assert Entry.from_dict(d) == e
@@ -84,10 +100,10 @@ def test_lookup_and_select(tmp_path: Path) -> None:
     db.save_entries(path, [make(problem="a"), make(problem="b"), make(arch="gfx942", problem="a"),
                            make(op="maxpool2d_fwd", problem="a")])
     d = InstanceDB.load(path)
-    assert d.lookup("groupnorm_fwd", "gfx942", "a") is not None
-    assert d.lookup("groupnorm_fwd", "gfx942", "b") is None
+    assert d.lookup("groupnorm_fwd", "gfx942", key("a")) is not None
+    assert d.lookup("groupnorm_fwd", "gfx942", key("b")) is None
     assert len(d.select()) == 4
-    assert [e.problem for e in d.select(op="groupnorm_fwd", arch="sm_90")] == ["a", "b"]
+    assert [e.problem for e in d.select(op="groupnorm_fwd", arch="sm_90")] == [key("a"), key("b")]
     assert len(d.select(arch="sm_90")) == 3
     assert [e.op for e in d.select(op="maxpool2d_fwd")] == ["maxpool2d_fwd"]
 
@@ -96,9 +112,9 @@ def test_layered_user_wins_over_shipped() -> None:
     user = InstanceDB((make(problem="a", time_us=1.0),))
     shipped = InstanceDB((make(problem="a", time_us=2.0), make(problem="b", time_us=3.0)))
     both = InstanceDB.layered(user, shipped)
-    assert both.lookup("groupnorm_fwd", "sm_90", "a").time_us == 1.0
-    assert both.lookup("groupnorm_fwd", "sm_90", "b").time_us == 3.0
-    assert InstanceDB.layered(shipped, user).lookup("groupnorm_fwd", "sm_90", "a").time_us == 2.0
+    assert both.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 1.0
+    assert both.lookup("groupnorm_fwd", "sm_90", key("b")).time_us == 3.0
+    assert InstanceDB.layered(shipped, user).lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 2.0
 
 
 def test_packaged_db_path() -> None:
@@ -157,12 +173,15 @@ def test_corrupt_file_raises_and_save_leaves_it_untouched(tmp_path: Path, text: 
         InstanceDB.load(path)
     assert info.value.path == path
     assert str(path) in str(info.value) and "left untouched" in str(info.value)
-    with pytest.raises(DBCorruptError):
+    with pytest.raises(DBCorruptError) as saved:
         db.save_entries(path, [make()])
+    side = saved.value.kept  # the save's entry is not lost: it waits in a side file
+    assert side is not None and side.parent == tmp_path and side.name in str(saved.value)
+    assert InstanceDB.load(side).entries == (make(),)
     with pytest.raises(DBCorruptError):
         db.remove_entries(path, lambda e: True)
     assert path.read_bytes() == before
-    assert no_temp_files(tmp_path, {"db.yaml"})
+    assert no_temp_files(tmp_path, {"db.yaml", side.name})
 
 
 def test_failed_write_leaves_no_temp_file(tmp_path: Path, monkeypatch) -> None:
@@ -197,27 +216,27 @@ def test_merge_later_date_wins_and_distinct_idents_kept(tmp_path: Path) -> None:
                            make(problem="b", time_us=7.0)])
     older = make(problem="a", date="2026-01-01T00:00:00+00:00", time_us=9.0)
     merged = db.save_entries(path, [older, make(problem="c")])
-    assert merged.lookup("groupnorm_fwd", "sm_90", "a").time_us == 5.0  # on disk is later
+    assert merged.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 5.0  # on disk is later
     newer = make(problem="a", date="2026-12-01T00:00:00+00:00", time_us=3.0)
     db.save_entries(path, [newer])
     same_date = make(problem="b", time_us=6.0)
     db.save_entries(path, [same_date])
     d = InstanceDB.load(path)
-    assert d.lookup("groupnorm_fwd", "sm_90", "a").time_us == 3.0
-    assert d.lookup("groupnorm_fwd", "sm_90", "b").time_us == 6.0  # equal date: new wins
-    assert sorted(e.problem for e in d.entries) == ["a", "b", "c"]
+    assert d.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 3.0
+    assert d.lookup("groupnorm_fwd", "sm_90", key("b")).time_us == 6.0  # equal date: new wins
+    assert sorted(e.problem for e in d.entries) == [key("a"), key("b"), key("c")]
     db.save_entries(path, [make(problem="c", date=None, time_us=1.5)])  # no date: new wins
-    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", "c").time_us == 1.5
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("c")).time_us == 1.5
 
 
 def test_filter_drops_with_one_warning() -> None:
     d = InstanceDB((make(problem="a"), make(problem="b"), make(problem="c")))
     with pytest.warns(DBWarning) as record:
-        kept = d.filter(lambda e: None if e.problem == "b" else "template hash changed")
+        kept = d.filter(lambda e: None if e.problem == key("b") else "template hash changed")
     assert len(record) == 1
     assert "2 entries" in str(record[0].message)
     assert "template hash changed" in str(record[0].message)
-    assert [e.problem for e in kept.entries] == ["b"]
+    assert [e.problem for e in kept.entries] == [key("b")]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert d.filter(lambda e: None) == d
@@ -228,13 +247,13 @@ def test_remove_entries(tmp_path: Path) -> None:
     assert db.remove_entries(path, lambda e: True) == 0
     db.save_entries(path, [make(problem="a"), make(problem="b"), make(arch="sm_80", problem="a")])
     assert db.remove_entries(path, lambda e: e.arch == "sm_90") == 2
-    assert [e.ident for e in InstanceDB.load(path).entries] == [("groupnorm_fwd", "sm_80", "a")]
+    assert [e.ident for e in InstanceDB.load(path).entries] == [("groupnorm_fwd", "sm_80", key("a"))]
     assert db.remove_entries(path, lambda e: False) == 0
     assert no_temp_files(tmp_path, {"db.yaml"})
 
 
 def test_export_csv_columns() -> None:
-    d = InstanceDB((make(problem="N=1,C=2", threads=128, vec_bytes=8),))
+    d = InstanceDB((make(threads=128, vec_bytes=8),))
     out = io.StringIO()
     db.export_csv(d, out)
     rows = list(csv.reader(io.StringIO(out.getvalue())))
@@ -242,7 +261,7 @@ def test_export_csv_columns() -> None:
                        "default_time_us", "config"]
     assert len(rows) == 2
     row = dict(zip(rows[0], rows[1]))
-    assert row["problem"] == "N=1,C=2"  # the comma survives quoting
+    assert row["problem"] == key("a")  # the commas survive quoting
     assert row["config"] == "threads=128;vec_bytes=8"
     assert float(row["time_us"]) == 12.5 and row["arch"] == "sm_90"
 
@@ -252,10 +271,14 @@ def test_export_csv_columns() -> None:
 SAVES_PER_PROCESS = 40
 
 
+def _saver_n(tag: str, i: int) -> int:
+    return 1 + i + 1000 * "ABCDEFGH".index(tag)
+
+
 def _saver(path: str, tag: str, start) -> None:
     start.wait()
     for i in range(SAVES_PER_PROCESS):
-        db.save_entries(path, [make(problem=f"{tag}-{i:02d}")])
+        db.save_entries(path, [make(problem=_saver_n(tag, i))])
 
 
 def test_two_processes_lose_no_entry(tmp_path: Path) -> None:
@@ -270,5 +293,322 @@ def test_two_processes_lose_no_entry(tmp_path: Path) -> None:
         p.join(timeout=60)
     assert [p.exitcode for p in procs] == [0, 0]
     problems = {e.problem for e in InstanceDB.load(path).entries}
-    assert problems == {f"{t}-{i:02d}" for t in "AB" for i in range(SAVES_PER_PROCESS)}
+    assert problems == {key(_saver_n(t, i)) for t in "AB" for i in range(SAVES_PER_PROCESS)}
     assert no_temp_files(tmp_path, {"db.yaml"})
+
+
+# ------------------------------------------------------------------ issue 16: problem keys (finding 1)
+
+BAD_KEYS = ["garbage", "N=-2,C=320,H=8,W=8,G=32,dtype=bf16,layout=nhwc,act=none",
+            "N=4,C=320,H=8,W=8,G=32,dtype=int8,layout=nhwc,act=none", "N=4,C=320,H=8,W=8,G=30,dtype=bf16,layout=nhwc",
+            "N=4,C=320,H=8,W=8,G=32,dtype=bf16", "N=99999999999,C=320,H=8,W=8,G=32,dtype=bf16,layout=nhwc,act=none",
+            "N=4,C=320,H=8,W=8,G=32,dtype=bf16,layout=nhwc,act=none" + ",x" * 5000]
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS, ids=lambda k: k[:30])
+def test_entry_whose_problem_key_its_op_cannot_parse_is_skipped(tmp_path: Path, bad: str) -> None:
+    path = tmp_path / "db.yaml"
+    item = make().to_dict()
+    item["problem"] = bad
+    write_doc(path, [make(problem="b").to_dict(), item])
+    with pytest.warns(DBWarning, match="skipped 1 entry malformed") as record:
+        d = InstanceDB.load(path)
+    assert len(record) == 1 and len(str(record[0].message)) <= db.MAX_MESSAGE
+    assert d.entries == (make(problem="b"),)
+    assert "entries[1]: field 'problem'" in d.skipped[0]
+    with pytest.raises(DBError, match="field 'problem'"):
+        Entry.from_dict(item)
+
+
+def test_entry_of_an_unknown_op_is_skipped_and_kept_on_save(tmp_path: Path) -> None:
+    path = tmp_path / "db.yaml"
+    item = make().to_dict()
+    item["op"] = "layernorm_fwd"  # e.g. written by a newer ckgen
+    write_doc(path, [item])
+    with pytest.warns(DBWarning, match="unknown op 'layernorm_fwd'"):
+        assert InstanceDB.load(path).entries == ()
+    with pytest.warns(DBWarning):
+        db.save_entries(path, [make(problem="b")])
+    assert item in yaml.safe_load(path.read_text())["entries"]
+
+
+def test_problem_keys_are_stored_in_their_canonical_form() -> None:
+    canonical = key("a")
+    assert canonical.endswith(",act=none")
+    e = Entry.from_dict({**make().to_dict(), "problem": canonical.replace(",act=none", "")})
+    assert e.problem == canonical and e == make()
+
+
+def test_malformed_keys_in_the_user_db_do_not_break_dispatch(monkeypatch) -> None:
+    """The issue's repro: one bad key made the nearest-tuned fallback raise ValueError out of
+    every untuned call of that op and arch."""
+    import ckgen
+    from ckgen import settings
+    from ckgen.instance import render_instance
+    from ckgen.ops.spec import Target
+
+    op, t = get_op("groupnorm_fwd"), Target.named("sm_90")
+    near = op.parse_problem(N=2, C=1280, H=16, W=16, G=32, dtype="bf16", layout="nchw")
+    src = render_instance(op, near, op.space.default, t)
+    good = Entry(op=op.name, vendor="cuda", arch="sm_90", device="test", problem=near.key(),
+                 config=op.space.default.items, instance=src.name, source_sha256=src.sha256,
+                 time_us=5.0, gbps=1.0, default_time_us=6.0)
+    bad = [{**good.to_dict(), "problem": k} for k in ("garbage", BAD_KEYS[1], BAD_KEYS[2])]
+    settings.user_db_path().parent.mkdir(parents=True, exist_ok=True)
+    write_doc(settings.user_db_path(), [*bad, good.to_dict()])
+    ckgen.reload_db()
+    try:
+        with pytest.warns(DBWarning, match="skipped 3 entries malformed"):
+            choice = ckgen.explain("groupnorm_fwd", N=4, C=1280, H=16, W=16, G=32, dtype="bf16", layout="nchw",
+                                   arch="sm_90")
+        assert choice.source == "nearest" and choice.entry == good
+    finally:
+        ckgen.reload_db()
+
+
+# ------------------------------------------------------------------ issue 16: saving (findings 5, 6)
+
+
+def test_save_with_a_busy_lock_keeps_its_entries_in_a_side_file(tmp_path: Path, monkeypatch) -> None:
+    """A save that waited LOCK_TIMEOUT_S raised filelock.Timeout and its result was lost."""
+    import filelock
+
+    path = tmp_path / "db.yaml"
+    db.save_entries(path, [make(problem="a")])
+    monkeypatch.setattr(db, "LOCK_TIMEOUT_S", 0.05)
+    holder = filelock.FileLock(str(path) + ".lock")
+    with holder:
+        with pytest.warns(DBWarning, match="lock was not free") as record:
+            view = db.save_entries(path, [make(problem="b"), make(problem="c")])
+        assert len(record) == 1
+        (side,) = db._side_files(path)
+        assert side.name.startswith("db.yaml.pending-") and side.name in str(record[0].message)
+        assert {e.problem for e in view} == {key("a"), key("b"), key("c")}
+        assert {e.problem for e in InstanceDB.load(path)} == {key("a"), key("b"), key("c")}  # load merges it
+        assert {e.problem for e in InstanceDB.load(path.with_name("x.yaml"))} == set()
+    merged = db.save_entries(path, [make(problem="p1")])  # the next save folds it in
+    assert {e.problem for e in merged} == {key(t) for t in ("a", "b", "c", "p1")}
+    assert db._side_files(path) == []
+    assert {e["problem"] for e in yaml.safe_load(path.read_text())["entries"]} == {e.problem for e in merged}
+    assert no_temp_files(tmp_path, {"db.yaml"})
+
+
+def test_side_files_are_folded_by_remove_and_a_newer_main_entry_wins(tmp_path: Path, monkeypatch) -> None:
+    import filelock
+
+    path = tmp_path / "db.yaml"
+    monkeypatch.setattr(db, "LOCK_TIMEOUT_S", 0.01)
+    with filelock.FileLock(str(path) + ".lock"), pytest.warns(DBWarning):
+        db.save_entries(path, [make(problem="a", time_us=9.0, date="2026-01-01T00:00:00+00:00"),
+                               make(problem="b")])
+    assert not path.exists() and len(db._side_files(path)) == 1
+    db.save_entries(path, [make(problem="a", time_us=1.0, date="2026-06-01T00:00:00+00:00")])
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 1.0
+    with filelock.FileLock(str(path) + ".lock"), pytest.warns(DBWarning):
+        db.save_entries(path, [make(problem="c")])
+    assert db.remove_entries(path, lambda e: e.problem == key("c")) == 1  # a side file's entry too
+    assert db._side_files(path) == []
+    assert sorted(e.problem for e in InstanceDB.load(path)) == [key("a"), key("b")]
+
+
+def _contended_saver(path: str, tag: str, start, timeout: float, n: int) -> None:
+    import warnings as w
+
+    db.LOCK_TIMEOUT_S = timeout
+    w.simplefilter("ignore", DBWarning)
+    start.wait()
+    for i in range(n):
+        db.save_entries(path, [make(problem=_saver_n(tag, i))])
+
+
+def test_contended_saves_lose_nothing(tmp_path: Path) -> None:
+    """Four processes, a lock timeout of 1 ms: most saves fall back to side files; every entry
+    is in every later load, and one ordinary save folds all of them into the file."""
+    path = tmp_path / "db.yaml"
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    per = 20
+    procs = [ctx.Process(target=_contended_saver, args=(str(path), tag, start, 0.001, per)) for tag in "ABCD"]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * 4
+    want = {key(_saver_n(t, i)) for t in "ABCD" for i in range(per)}
+    assert {e.problem for e in InstanceDB.load(path).entries} == want
+    db.save_entries(path, [])
+    assert db._side_files(path) == []
+    assert {e["problem"] for e in yaml.safe_load(path.read_text())["entries"]} == want
+    assert no_temp_files(tmp_path, {"db.yaml"})
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o600, 0o664])
+def test_save_keeps_the_file_mode(tmp_path: Path, mode: int) -> None:
+    """Saves made the DB 0600 (temp file + rename): another user's dispatch then failed."""
+    path = tmp_path / "db.yaml"
+    db.save_entries(path, [make(problem="a")])
+    path.chmod(mode)
+    db.save_entries(path, [make(problem="b")])
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert db.remove_entries(path, lambda e: e.problem == key("b")) == 1
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+
+
+def test_a_new_db_file_gets_the_umask_mode(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        db.save_entries(tmp_path / "new.yaml", [make()])
+        os.umask(0o002)
+        db.save_entries(tmp_path / "new2.yaml", [make()])
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "new.yaml").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "new2.yaml").stat().st_mode) == 0o664
+
+
+def test_save_removes_temp_files_of_crashed_saves(tmp_path: Path) -> None:
+    path = tmp_path / "db.yaml"
+    db.save_entries(path, [make(problem="a")])
+    stale = [tmp_path / ".db.yaml.k3j_x9a1.tmp", tmp_path / ".db.yaml.save-00ff.tmp"]  # old-style and new
+    old_side, young_side = tmp_path / ".db.yaml.side-aa.tmp", tmp_path / ".db.yaml.side-bb.tmp"
+    other = tmp_path / ".other.yaml.k3j_x9a1.tmp"  # another DB's
+    for p in (*stale, old_side, young_side, other):
+        p.write_text("partial")
+    hour_ago = time.time() - 3600
+    os.utime(old_side, (hour_ago, hour_ago))
+    db.save_entries(path, [make(problem="b")])
+    assert not any(p.exists() for p in (*stale, old_side))
+    assert young_side.exists() and other.exists()  # a side writer may be writing it; not ours
+
+
+def test_libyaml_is_used_when_available_and_both_give_the_same_file(tmp_path: Path, monkeypatch) -> None:
+    if hasattr(yaml, "CSafeLoader"):
+        assert db._LOADER is yaml.CSafeLoader and db._DUMPER is yaml.CSafeDumper
+    entries = [make(problem=t, threads=128 + i) for i, t in enumerate(("a", "b", "c"))]
+    db.save_entries(tmp_path / "c.yaml", entries)
+    monkeypatch.setattr(db, "_LOADER", yaml.SafeLoader)
+    monkeypatch.setattr(db, "_DUMPER", yaml.SafeDumper)
+    db.save_entries(tmp_path / "py.yaml", entries)
+    assert (tmp_path / "c.yaml").read_bytes() == (tmp_path / "py.yaml").read_bytes()
+    assert set(InstanceDB.load(tmp_path / "c.yaml").entries) == set(entries)
+
+
+def test_shipped_db_reads_the_same_with_both_loaders(monkeypatch) -> None:
+    path = db.packaged_db_path()
+    fast = InstanceDB.load(path)
+    monkeypatch.setattr(db, "_LOADER", yaml.SafeLoader)
+    assert InstanceDB.load(path) == fast and len(fast) > 0
+
+
+# ------------------------------------------------------------------ issue 16: hostile YAML (finding 8)
+
+
+def _bomb(levels: int, value: str) -> str:
+    """A billion-laughs document: `levels` anchors of 9 aliases each, then `value` using the last."""
+    names = "abcdefghijklmnop"[:levels]
+    lines = ["bomb:", '  a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"  {c}: &{c} [" + ",".join([f"*{names[i]}"] * 9) + "]" for i, c in enumerate(names[1:])]
+    return "\n".join(lines) + "\n" + value.replace("BOMB", f"*{names[-1]}") + "\n"
+
+
+@pytest.mark.parametrize("loader", ["C", "python"])
+@pytest.mark.parametrize("text, words", [
+    ("schema: 1\nentries: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested deeper than 32 levels"),
+    ("schema: 1\nentries:\n- op: " + "{a: " * 50_000 + "1" + "}" * 50_000 + "\n", "nested deeper than 32 levels"),
+    (_bomb(9, "schema: BOMB"), "alias bomb"),
+    (_bomb(9, "schema: 1\nentries:\n- op: BOMB"), "alias bomb"),
+    (_bomb(9, "schema: 1\nentries: BOMB"), "alias bomb"),
+    ("schema: 1\nentries:\n- time_us: " + "9" * 5000 + "\n", "cannot be read"),
+])
+def test_hostile_yaml_is_a_corrupt_db_with_a_bounded_message(tmp_path: Path, monkeypatch, loader: str, text: str,
+                                                             words: str) -> None:
+    """100,000 nested levels raised RecursionError (and crash libyaml's loader); a 675-byte
+    alias bomb raised MemoryError (the error message rendered the whole value)."""
+    if loader == "python":
+        monkeypatch.setattr(db, "_LOADER", yaml.SafeLoader)
+    path = tmp_path / "db.yaml"
+    path.write_text(text)
+    with pytest.raises(DBCorruptError, match=words) as info:
+        InstanceDB.load(path)
+    assert len(str(info.value)) < 1000
+    with pytest.raises(DBCorruptError):
+        db.save_entries(path, [make()])
+    assert path.read_text() == text
+
+
+def test_a_small_alias_structure_in_an_entry_is_skipped_with_a_bounded_reason(tmp_path: Path) -> None:
+    """Below the node limit (9^5 expanded) an alias structure is an ordinary malformed entry:
+    skipped with a short reason (the value is not rendered whole), kept compact (aliases, not
+    expanded) by a save."""
+    path = tmp_path / "db.yaml"
+    entry = {**make().to_dict(), "op": "@@"}
+    doc = yaml.safe_dump({"schema": 1, "entries": [entry]}, sort_keys=False).replace("op: '@@'", "op: BOMB")
+    path.write_text(_bomb(5, doc + "- BOMB"))
+    with pytest.warns(DBWarning, match="skipped 2 entries") as record:
+        d = InstanceDB.load(path)
+    assert d.entries == () and len(str(record[0].message)) <= db.MAX_MESSAGE
+    assert "field 'op': expected a non-empty string, got [[[" in d.skipped[0] and len(d.skipped[0]) < 200
+    with pytest.warns(DBWarning):
+        db.save_entries(path, [make()])
+    assert path.stat().st_size < 20_000
+    with pytest.warns(DBWarning):
+        assert len(InstanceDB.load(path).skipped) == 2
+
+
+# ------------------------------------------------------------------ issue 16: a corrupt user DB (finding 9)
+
+
+def test_corrupt_user_db_warns_once_and_the_shipped_db_is_used(tmp_path: Path, monkeypatch) -> None:
+    user, shipped = tmp_path / "user.yaml", tmp_path / "shipped.yaml"
+    db.save_entries(shipped, [make(problem="a"), make(problem="b")])
+    monkeypatch.setenv("CKGEN_SHIPPED_DB", str(shipped))
+    user.write_text("schema: 1\nentries:\n  - op: [unclosed\n")
+    before = user.read_bytes()
+    with pytest.warns(DBWarning, match="user.yaml: not valid YAML") as record:
+        view = db.load_layered(user)
+    assert len(record) == 1 and "not used" in str(record[0].message)
+    assert {e.problem for e in view} == {key("a"), key("b")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DBWarning)  # once per file version
+        assert db.load_layered(user) == view
+    with pytest.raises(DBCorruptError):
+        db.load_layered(user, strict=True)
+    with pytest.raises(DBCorruptError) as saved:  # a save into it: kept beside it, used by the view
+        db.save_entries(user, [make(problem="c")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DBWarning)
+        assert {e.problem for e in db.load_layered(user)} == {key("a"), key("b"), key("c")}
+    assert user.read_bytes() == before
+    user.write_text("")  # fixed (here: emptied): the next save folds the side file in
+    db.save_entries(user, [])
+    assert not saved.value.kept.exists()
+    assert {e.problem for e in InstanceDB.load(user)} == {key("c")}
+
+
+def test_corrupt_user_db_does_not_break_dispatch(monkeypatch, tmp_path: Path) -> None:
+    """Every op call failed: the dispatcher's view raised DBCorruptError."""
+    import ckgen
+    from ckgen import settings
+    from ckgen.instance import render_instance
+    from ckgen.ops.spec import Target
+
+    op, t = get_op("groupnorm_fwd"), Target.named("sm_90")
+    p = op.parse_problem(N=4, C=1280, H=16, W=16, G=32, dtype="bf16", layout="nchw")
+    src = render_instance(op, p, op.space.default, t)
+    shipped = tmp_path / "shipped.yaml"
+    db.save_entries(shipped, [Entry(op=op.name, vendor="cuda", arch="sm_90", device="test", problem=p.key(),
+                                    config=op.space.default.items, instance=src.name, source_sha256=src.sha256,
+                                    time_us=5.0, gbps=1.0, default_time_us=6.0)])
+    monkeypatch.setenv("CKGEN_SHIPPED_DB", str(shipped))
+    settings.user_db_path().parent.mkdir(parents=True, exist_ok=True)
+    settings.user_db_path().write_text("- not\n- a DB\n")
+    ckgen.reload_db()
+    try:
+        with pytest.warns(DBWarning, match="not a mapping"):
+            choice = ckgen.explain("groupnorm_fwd", N=4, C=1280, H=16, W=16, G=32, dtype="bf16", layout="nchw",
+                                   arch="sm_90")
+        assert choice.source == "tuned"
+    finally:
+        ckgen.reload_db()
+    assert settings.user_db_path().read_text() == "- not\n- a DB\n"

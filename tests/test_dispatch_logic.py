@@ -147,6 +147,22 @@ def test_nearest_skips_entries_invalid_for_the_problem(d: Dispatcher) -> None:
     assert (choice.source, choice.config) == ("nearest", Y)
 
 
+def test_neighbour_with_float_or_bool_config_values_is_skipped(d: Dispatcher) -> None:
+    """threads: 1024.0 / min_blocks: true in a DB entry compare equal to the space's ints; the
+    nearest path took them and rendered `constexpr int BLOCK = 1024.0;` (issue 16, finding 7)."""
+    near = problem(N=4)
+    bad_threads = X.replace(threads=float(X["threads"]))
+    bad_blocks = Y.replace(min_blocks=bool(Y["min_blocks"])) if Y["min_blocks"] == 1 else \
+        Y.replace(min_blocks=float(Y["min_blocks"]))
+    as_read = [dbmod.Entry(**{**entry(q, c).__dict__, "config": bad.items})  # as a hand edit leaves them
+               for q, c, bad in ((near, X, bad_threads), (problem(N=8), Y, bad_blocks))]
+    save(*as_read)
+    choice, src = d.choose(OP, P, SM90)
+    assert choice.source == "default" and choice.config == OP.space.default
+    assert ".0;" not in src.code and "= True" not in src.code
+    assert all(type(v) is type(OP.space.default[k]) for k, v in choice.config.items)
+
+
 def test_untuned_without_usable_neighbour_is_default(d: Dispatcher) -> None:
     small = problem(H=8, W=8)
     cfg = next(c for c in valid(small, cluster=1, slice_in="regs") if not OP.validate(P, c, SM90))

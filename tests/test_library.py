@@ -118,3 +118,82 @@ def test_cli_generate_and_check(tmp_path, capsys):
     assert cli.main(["generate", "--db", packaged, "--target", "sm_90", "--out", str(out), "--check"]) == 1
     assert "out of date" in capsys.readouterr().err
     assert cli.main(["generate", "--target", "sm_99x"]) == 2
+
+
+# ------------------------------------------------------------------ what generate may remove (issue 16, finding 2)
+
+
+@pytest.mark.parametrize("arch", ["gfx90a/../../../victim", "gfx90a/..", "sm_90/../x", "../sm_90", "sm_90 ",
+                                  "sm_90\n", "gfx", "gfxzz", "GFX90A", "sm_", "sm_9b", "sm_٩٠", "gfx90a:xnack-", ""])
+def test_target_names_are_strict(arch):
+    with pytest.raises(ValueError, match="^target: unknown arch"):
+        Target.named(arch)
+
+
+@pytest.mark.parametrize("arch, vendor, warp, clusters", [("sm_80", "cuda", 32, False), ("sm_90a", "cuda", 32, True),
+                                                          ("sm_100", "cuda", 32, True), ("gfx90a", "hip", 64, False),
+                                                          ("gfx942", "hip", 64, False), ("gfx1100", "hip", 32, False)])
+def test_target_names_that_pass(arch, vendor, warp, clusters):
+    assert Target.named(arch) == Target(vendor, arch, warp, clusters)
+
+
+def test_generate_target_path_traversal_deletes_nothing(tmp_path, capsys):
+    """`--target gfx90a/../../../victim` removed victim/ outside --out."""
+    victim = tmp_path / "victim"
+    (victim / "keep").mkdir(parents=True)
+    (victim / "keep" / "data.txt").write_text("precious")
+    out = tmp_path / "A" / "out"
+    out.mkdir(parents=True)
+    for arch in ("gfx90a/../../../victim", "sm_90/../../../victim"):
+        assert cli.main(["generate", "--target", arch, "--no-compile", "--out", str(out)]) == 2
+        assert "target: unknown arch" in capsys.readouterr().err
+    assert (victim / "keep" / "data.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["A", "victim"]
+
+
+def test_generate_removes_only_generated_folders(tmp_path):
+    packaged = str(dbmod.packaged_db_path())
+    out = tmp_path / "lib"
+    argv = ["generate", "--db", packaged, "--target", "sm_80", "--ops", "groupnorm_fwd,maxpool2d_fwd",
+            "--no-compile", "--out", str(out)]
+    assert cli.main(argv) == 0
+    gen = out / "sm_80" / "groupnorm_fwd"
+    stale = gen / "ckgen_stale_instance.cu"
+    stale.write_text("// from an older generation\n")
+    mine = out / "sm_80" / "notes"  # no manifest: not ours
+    mine.mkdir()
+    (mine / "todo.txt").write_text("mine")
+    forged = out / "sm_80" / "fake_op"  # a manifest, but not one `write` made for this folder
+    forged.mkdir()
+    (forged / "manifest.yaml").write_text("op: fake_op\n")
+    other_arch = out / "sm_80" / "maxpool2d_bwd"  # a generated folder's manifest for another arch
+    shutil.copytree(gen, other_arch)
+    (other_arch / "manifest.yaml").write_text((gen / "manifest.yaml").read_text()
+                                              .replace("op: groupnorm_fwd", "op: maxpool2d_bwd")
+                                              .replace("arch: sm_80", "arch: sm_90"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "manifest.yaml").write_text((gen / "manifest.yaml").read_text().replace("groupnorm_fwd", "linked"))
+    (out / "sm_80" / "linked").symlink_to(outside, target_is_directory=True)
+    assert cli.main(argv) == 0
+    assert not stale.exists(), "a generated folder is rewritten whole"
+    assert (gen / "manifest.yaml").is_file() and (out / "sm_80" / "maxpool2d_fwd" / "manifest.yaml").is_file()
+    assert (mine / "todo.txt").read_text() == "mine"
+    assert (forged / "manifest.yaml").read_text() == "op: fake_op\n"
+    assert (other_arch / "manifest.yaml").is_file()
+    assert (outside / "manifest.yaml").is_file() and (out / "sm_80" / "linked").is_symlink()
+
+
+def test_clear_target_removes_generated_folders_and_then_the_empty_arch_folder(tmp_path):
+    with pytest.raises(ValueError, match="target"):
+        library.clear_target(tmp_path, "..")
+    insts = library.plan(["sm_90"], ["maxpool2d_fwd"], from_db=False, db=dbmod.InstanceDB())
+    library.write(insts, tmp_path)
+    assert library.is_generated(tmp_path / "sm_90" / "maxpool2d_fwd", "sm_90")
+    assert not library.is_generated(tmp_path / "sm_90" / "maxpool2d_fwd", "sm_80")
+    assert library.clear_target(tmp_path, "sm_90") == [tmp_path / "sm_90" / "maxpool2d_fwd"]
+    assert not (tmp_path / "sm_90").exists()
+    (tmp_path / "sm_90" / "groupnorm_fwd").mkdir(parents=True)  # no manifest: kept, and so is sm_90/
+    assert library.clear_target(tmp_path, "sm_90") == []
+    assert (tmp_path / "sm_90" / "groupnorm_fwd").is_dir()
+    assert library.clear_target(tmp_path, "gfx942") == []  # nothing there

@@ -111,6 +111,25 @@ def test_out_of_list_value_is_rejected_naming_it(space: Space, name: str, value:
     assert name in ok.reason and repr(value) in ok.reason
 
 
+@pytest.mark.parametrize("name, value", [("threads", 1024.0), ("threads", 256.0), ("min_blocks", True),
+                                         ("cluster", True), ("vec_bytes", 16.0), ("items", "4")])
+def test_value_of_the_wrong_type_is_rejected_even_if_equal(space: Space, name: str, value: object) -> None:
+    """1024.0 == 1024 and True == 1: membership alone let them through (issue 16, finding 7),
+    and the nearest path rendered `constexpr int BLOCK = 1024.0;`."""
+    good = space.default.replace(**{name: type(space.default[name])(value)})
+    assert space.check(good), "the same value with the space's type is a point of the space"
+    ok = space.check(space.default.replace(**{name: value}))  # after the good one: memo keys by type
+    assert not ok
+    assert name in ok.reason and type(value).__name__ in ok.reason
+
+
+def test_numpy_integers_are_ints_of_the_space(space: Space) -> None:
+    np = pytest.importorskip("numpy")
+    cfg = space.default.replace(threads=np.int64(space.default["threads"]))
+    assert space.check(cfg)
+    assert not space.check(space.default.replace(min_blocks=np.bool_(True)))
+
+
 def test_each_yaml_constraint_rejects_with_its_reason(space: Space) -> None:
     assert space.constraints, "the space declares no constraints"
     for con in space.constraints:

@@ -9,10 +9,10 @@ import numpy as np
 
 from ..space import load_space
 from .numeric import from_storage, round_to, to_storage
-from .spec import DTYPES, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance
+from .spec import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance,
+                   check_choice, check_int, short_repr)
 
 ACTIVATIONS = ("none", "swish")
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -29,18 +29,16 @@ class GroupNormProblem(Problem):
     activation: str = "none"
 
     def __post_init__(self) -> None:
+        # N, C, G and H*W are int32 kernel arguments: each is bounded by 2^31-1.
         for f in ("N", "C", "H", "W", "G"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
+            object.__setattr__(self, f, check_int(f, getattr(self, f)))
+        if self.H * self.W > INT32_MAX:
+            raise ValueError(f"H, W: H*W = {self.H * self.W} exceeds {INT32_MAX} (2^31-1: a 32-bit int in the kernel)")
         if self.C % self.G:
             raise ValueError(f"groups: C={self.C} is not divisible by groups={self.G}; pick G dividing C")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPES)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation: {self.activation!r} is not one of None, 'swish'")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_choice("activation", self.activation, ACTIVATIONS, "None, 'swish'")
 
     @property
     def HW(self) -> int:
@@ -65,7 +63,7 @@ class GroupNormProblem(Problem):
             return cls(int(kv["N"]), int(kv["C"]), int(kv["H"]), int(kv["W"]), int(kv["G"]),
                        kv["dtype"], kv["layout"], kv.get("act", "none"))
         except (KeyError, ValueError) as e:
-            raise ValueError(f"problem key {key!r} is malformed: {e}") from None
+            raise ValueError(f"problem key {short_repr(key)} is malformed: {e}") from None
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -145,7 +143,7 @@ class GroupNormFwd(GroupNormOp):
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         if cluster > 1 and not target.clusters:
             return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
-        if p.Cg * p.HW // vec > _INT32_MAX:
+        if p.Cg * p.HW // vec > INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
         # regs: x held packed (itemsize bytes per value); reload: vectors in flight, unpacked
         regs_needed = (items * vec * item // 4 if config["slice_in"] == "regs" else items * vec // 2) + 32
@@ -185,7 +183,7 @@ class GroupNormFwd(GroupNormOp):
             if split > 1 and share < rows:
                 return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
         tiles = p.N * (p.G // gpb) * split
-        if tiles > _INT32_MAX:
+        if tiles > INT32_MAX:
             return Support.no("grid too large")
         return Support.yes()
 

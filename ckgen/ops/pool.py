@@ -23,7 +23,8 @@ import numpy as np
 
 from ..space import load_space
 from .numeric import from_storage, round_to, to_storage
-from .spec import DTYPES, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance
+from .spec import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance,
+                   check_choice, check_flag, check_int, short_repr)
 
 _U32 = 2**32
 _I32 = 2**31
@@ -31,18 +32,23 @@ Pair = tuple[int, int]
 
 
 def _pair(v: Any, arg: str, *, allow_zero: bool = False) -> Pair:
-    """int or (int, int) -> (int, int); ValueError naming `arg` otherwise."""
+    """int or (int, int) -> (int, int), each in [0 or 1, 2^31-1] (a kernel's `constexpr int`);
+    ValueError naming `arg` otherwise. NumPy integers are ints."""
     vals = (v, v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else v
+    if isinstance(vals, (str, bytes, dict)):
+        raise ValueError(f"{arg}: expected an int or a pair of ints, got {short_repr(v)}")
     try:
         a, b = vals
     except (TypeError, ValueError):
-        raise ValueError(f"{arg}: expected an int or a pair of ints, got {v!r}") from None
+        raise ValueError(f"{arg}: expected an int or a pair of ints, got {short_repr(v)}") from None
     out = []
     for x in (a, b):
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise ValueError(f"{arg}: expected an int or a pair of ints, got {v!r}")
+            raise ValueError(f"{arg}: expected an int or a pair of ints, got {short_repr(v)}")
         if x < 0 or (x == 0 and not allow_zero):
-            raise ValueError(f"{arg}: must be {'>= 0' if allow_zero else 'positive'}, got {v!r}")
+            raise ValueError(f"{arg}: must be {'>= 0' if allow_zero else 'positive'}, got {short_repr(v)}")
+        if x > INT32_MAX:
+            raise ValueError(f"{arg}: {int(x)} exceeds {INT32_MAX} (2^31-1: a 32-bit int in the kernel)")
         out.append(int(x))
     return out[0], out[1]
 
@@ -73,14 +79,12 @@ class PoolProblem(Problem):
     ceil_mode: bool = False
 
     def __post_init__(self) -> None:
+        # N, C, H, W, OH, OW are int32 kernel arguments; kernel, stride, padding and dilation
+        # become `constexpr int`s, and every window coordinate a kernel computes is an int.
         for f in ("N", "C", "H", "W"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{f}: must be a positive integer, got {v!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPES)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout: {self.layout!r} is not one of {list(LAYOUTS)}")
+            object.__setattr__(self, f, check_int(f, getattr(self, f)))
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("layout", self.layout, LAYOUTS)
         k = _pair(self.kernel, "kernel_size")
         s = _pair(self.stride, "stride")
         p = _pair(self.padding, "padding", allow_zero=True)
@@ -89,9 +93,23 @@ class PoolProblem(Problem):
         object.__setattr__(self, "stride", s)
         object.__setattr__(self, "padding", p)
         object.__setattr__(self, "dilation", d)
-        object.__setattr__(self, "ceil_mode", bool(self.ceil_mode))
+        object.__setattr__(self, "ceil_mode", check_flag("ceil_mode", self.ceil_mode))
         if p[0] > k[0] // 2 or p[1] > k[1] // 2:
             raise ValueError(f"padding: {p} must be at most half the kernel size {k} (PyTorch's rule)")
+        for axis, size in ((0, self.H), (1, self.W)):
+            ek = (k[axis] - 1) * d[axis] + 1
+            if ek > INT32_MAX:
+                raise ValueError(f"{'dilation' if d[axis] > 1 else 'kernel_size'}: the effective kernel "
+                                 f"(kernel_size-1)*dilation+1 = {ek} exceeds {INT32_MAX} (2^31-1)")
+            # The furthest window coordinate: the input plus both paddings, a stride (ceil_mode's
+            # last window) and a window. Blame the largest part.
+            parts = {"H" if axis == 0 else "W": size, "padding": 2 * p[axis], "stride": s[axis],
+                     "dilation" if d[axis] > 1 else "kernel_size": ek}
+            if sum(parts.values()) > INT32_MAX:
+                worst = max(parts, key=parts.get)
+                raise ValueError(f"{worst}: window coordinates reach {sum(parts.values())} along "
+                                 f"{'H' if axis == 0 else 'W'} (size {size} + 2*padding {2 * p[axis]} + stride "
+                                 f"{s[axis]} + effective kernel {ek}), beyond {INT32_MAX} (2^31-1, int in the kernel)")
         if self.OH < 1 or self.OW < 1:
             raise ValueError(f"kernel_size: output size {self.OH}x{self.OW} is too small for input "
                              f"{self.H}x{self.W} (kernel {k}, stride {s}, padding {p}, dilation {d})")
@@ -149,10 +167,10 @@ class PoolProblem(Problem):
 
             base = dict(N=int(kv.pop("N")), C=int(kv.pop("C")), H=int(kv.pop("H")), W=int(kv.pop("W")),
                         kernel=pair("k"), stride=pair("s"), padding=pair("p"), dilation=pair("d"),
-                        ceil_mode=bool(int(kv.pop("ceil"))), dtype=kv.pop("dtype"), layout=kv.pop("layout"))
+                        ceil_mode=int(kv.pop("ceil")), dtype=kv.pop("dtype"), layout=kv.pop("layout"))
             return cls(**base, **cls.extra_from_key(kv))
         except (KeyError, ValueError, TypeError) as e:
-            raise ValueError(f"problem key {key!r} is malformed: {e}") from None
+            raise ValueError(f"problem key {short_repr(key)} is malformed: {e}") from None
 
     @classmethod
     def extra_from_key(cls, kv: dict[str, str]) -> dict[str, Any]:
@@ -165,12 +183,16 @@ class PoolProblem(Problem):
 class MaxPoolFwdProblem(PoolProblem):
     return_indices: bool = False
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "return_indices", check_flag("return_indices", self.return_indices))
+
     def extra_key(self) -> str:
         return f",idx={int(self.return_indices)}"
 
     @classmethod
     def extra_from_key(cls, kv: dict[str, str]) -> dict[str, Any]:
-        ri = bool(int(kv.pop("idx")))
+        ri = int(kv.pop("idx"))
         super().extra_from_key(kv)
         return {"return_indices": ri}
 
@@ -181,8 +203,7 @@ class MaxPoolBwdProblem(PoolProblem):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.indices not in ("stored", "recompute"):
-            raise ValueError(f"indices: {self.indices!r} is not 'stored' or 'recompute'")
+        check_choice("indices", self.indices, ("stored", "recompute"), "'stored', 'recompute'")
 
     def extra_key(self) -> str:
         return f",indices={self.indices}"
@@ -205,16 +226,22 @@ class AvgPoolProblem(PoolProblem):
             raise ValueError(f"dilation: average pooling has no dilation, got {self.dilation}")
         dv = self.divisor_override
         if isinstance(dv, bool) or not isinstance(dv, (int, np.integer)) or dv < 0:
-            raise ValueError(f"divisor_override: expected None or a positive int, got {dv!r}")
+            raise ValueError(f"divisor_override: expected None or a positive int, got {short_repr(dv)}")
+        if dv > INT32_MAX:  # `constexpr int DIVISOR`: 2**32 became 0, i.e. no override
+            raise ValueError(f"divisor_override: {int(dv)} exceeds {INT32_MAX} (2^31-1: a 32-bit int in the kernel)")
         object.__setattr__(self, "divisor_override", int(dv))
-        object.__setattr__(self, "count_include_pad", bool(self.count_include_pad))
+        object.__setattr__(self, "count_include_pad", check_flag("count_include_pad", self.count_include_pad))
+        kh, kw = self.kernel
+        if kh * kw > INT32_MAX:  # the window's area is the divisor, an int in the kernel
+            raise ValueError(f"kernel_size: the window area {kh}x{kw} = {kh * kw} exceeds {INT32_MAX} "
+                             "(2^31-1: the divisor is a 32-bit int in the kernel)")
 
     def extra_key(self) -> str:
         return f",cip={int(self.count_include_pad)},div={self.divisor_override}"
 
     @classmethod
     def extra_from_key(cls, kv: dict[str, str]) -> dict[str, Any]:
-        cip, div = bool(int(kv.pop("cip"))), int(kv.pop("div"))
+        cip, div = int(kv.pop("cip")), int(kv.pop("div"))
         super().extra_from_key(kv)
         return {"count_include_pad": cip, "divisor_override": div}
 
@@ -463,6 +490,20 @@ class _PoolOp(OpSpec):
     def _regs_needed(self, p: PoolProblem, config: Config) -> int:
         raise NotImplementedError
 
+    def _coord_reach(self, p: PoolProblem, config: Config) -> int:
+        """The largest window coordinate a thread computes along either axis, its tile's overhang
+        past the last output (forward) or input (backward) included; must fit an int."""
+        reach = 0
+        for axis, t in enumerate(self.tile(config)):
+            size, out = (p.H, p.OH) if axis == 0 else (p.W, p.OW)
+            ek, s, pad = p.eff_kernel[axis], p.stride[axis], p.padding[axis]
+            if self.backward:  # input positions; a covering output's window starts at most pad before
+                r = _cdiv(size, t) * t + 2 * pad + s + ek
+            else:  # the last tile's last output row times the stride, plus a window
+                r = (_cdiv(out, t) * t - 1) * s + ek
+            reach = max(reach, r)
+        return reach
+
     def _row_regs(self, p: PoolProblem, config: Config) -> int:
         """Forward: registers of one loaded footprint row (NCHW) or input vector (NHWC)."""
         if p.layout == "nchw":
@@ -503,6 +544,9 @@ class _PoolOp(OpSpec):
         if (th > 1 or tw > 1) and self._footprint(p, config) > 256:
             return Support.no(f"a {th}x{tw} tile reads {self._footprint(p, config)} window positions; "
                               "over 256 the unrolled code grows too large")
+        reach = self._coord_reach(p, config)
+        if reach > INT32_MAX:
+            return Support.no(f"a {th}x{tw} tile's window coordinates reach {reach}, beyond 2^31-1 (int in the kernel)")
         regs = self._regs_needed(p, config)
         if regs > _regs_per_thread(config):
             return Support.no(f"about {regs} registers per thread exceed the budget of {_regs_per_thread(config)} "

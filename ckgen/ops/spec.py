@@ -5,6 +5,8 @@ Nothing here imports CuPy: specs, spaces, rendering and the DB run on machines w
 from __future__ import annotations
 
 import abc
+import re
+import reprlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
@@ -17,6 +19,56 @@ DTYPES: dict[str, dict[str, Any]] = {
     "bf16": {"itemsize": 2, "storage": "unsigned short"},
 }
 LAYOUTS = ("nchw", "nhwc")
+# Arch names, whole: they name folders (`ckgen generate` writes generated/<arch>/), so nothing
+# else (a path separator, "..") may pass.
+_CUDA_ARCH = re.compile(r"sm_([0-9]+)a?")
+_HIP_ARCH = re.compile(r"gfx[0-9a-f]+")
+
+
+INT32_MAX = 2**31 - 1  # every integer a template or a kernel argument holds is a 32-bit int
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxtuple = 2, 60, 60, 4, 4
+
+
+def short_repr(v: Any) -> str:
+    """A bounded repr of v, at most 80 characters: an error message never renders (or spends
+    time on) a whole large value."""
+    try:
+        text = _REPR.repr(v)
+    except Exception:  # noqa: BLE001 - a repr that fails still gets a name
+        text = f"<{type(v).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_int(name: str, v: Any, lo: int = 1, hi: int = INT32_MAX) -> int:
+    """`v` as a Python int in [lo, hi]; ValueError starting with `name` otherwise. NumPy integers
+    are ints; bools, floats and strings are not."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{name}: expected an int, got {short_repr(v)} ({type(v).__name__})")
+    v = int(v)
+    if v < lo:
+        raise ValueError(f"{name}: must be {'a positive integer' if lo == 1 else f'>= {lo}'}, got {v}")
+    if v > hi:
+        raise ValueError(f"{name}: {v} exceeds {hi}" + (" (2^31-1: a 32-bit int in the kernel)" if hi == INT32_MAX else ""))
+    return v
+
+
+def check_flag(name: str, v: Any) -> bool:
+    """A bool (Python or NumPy) or the int 0/1; ValueError starting with `name` otherwise."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if isinstance(v, (int, np.integer)) and v in (0, 1):
+        return bool(v)
+    raise ValueError(f"{name}: expected a bool, got {short_repr(v)} ({type(v).__name__})")
+
+
+def check_choice(name: str, v: Any, choices: Any, shown: str | None = None) -> str:
+    """One of the strings `choices`; ValueError starting with `name` otherwise."""
+    if not isinstance(v, str) or v not in choices:
+        raise ValueError(f"{name}: {short_repr(v)} is not one of {shown or list(choices)}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -77,12 +129,15 @@ class Target:
 
     @classmethod
     def named(cls, arch: str) -> "Target":
-        if arch.startswith("sm_") and arch[3:].rstrip("a").isdigit():
-            return cls("cuda", arch, 32, int(arch[3:].rstrip("a")) >= 90)
-        if arch.startswith("gfx"):
+        """The target of an arch name: `sm_<digits>[a]` (NVIDIA) or `gfx<hex digits>` (AMD)."""
+        cuda = _CUDA_ARCH.fullmatch(arch) if isinstance(arch, str) else None
+        if cuda:
+            return cls("cuda", arch, 32, int(cuda.group(1)) >= 90)
+        if isinstance(arch, str) and _HIP_ARCH.fullmatch(arch):
             # wave64 on CDNA (gfx9xx), wave32 on RDNA (gfx10xx and later)
             return cls("hip", arch, 64 if arch.startswith("gfx9") else 32, False)
-        raise ValueError(f"target: unknown arch {arch!r}; use sm_XX (NVIDIA) or gfxXXXX (AMD)")
+        raise ValueError(f"target: unknown arch {short_repr(arch)}; use sm_<digits>[a] (NVIDIA, e.g. sm_90) or "
+                         "gfx<hex digits> (AMD, e.g. gfx942)")
 
 
 @dataclass(frozen=True)

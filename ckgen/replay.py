@@ -127,4 +127,7 @@ def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahe
 
 
 def sweeps(folder: Path | str) -> list[Sweep]:
-    return [load_sweep(p) for p in sorted(Path(folder).glob("*.json"))]
+    """Every complete sweep in `folder` (a partial one, "complete": false, is still being measured:
+    its best is not the exhaustive best)."""
+    return [load_sweep(p) for p in sorted(Path(folder).glob("sweep-*.json"))
+            if json.loads(p.read_text()).get("complete", True)]

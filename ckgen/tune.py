@@ -16,7 +16,9 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from .bench import Timer, Timing, gbps
@@ -78,12 +80,121 @@ class TuneResult:
         return self.default.timing.median_us / self.best.timing.median_us if self.default else float("nan")
 
 
-def study_name(op: OpSpec, problem: Problem, target: Target) -> str:
+def study_name(op: OpSpec, problem: Problem, target: Target, device: str = "") -> str:
     """Resuming a study is only sound while the templates are unchanged: their digest is part
-    of the name, so an edited template starts a fresh study instead of trusting old timings."""
+    of the name, so an edited template starts a fresh study instead of trusting old timings.
+    The device name is part of it too: two GPUs of one arch do not share timings."""
     from .codegen import templates_digest
 
-    return f"{op.name}|{target.arch}|{problem.key()}|{templates_digest()[:12]}"
+    return f"{op.name}|{target.arch}|{device}|{problem.key()}|{templates_digest()[:12]}"
+
+
+# Study storage shared by concurrent tuners: a trial's process beats every HEARTBEAT_S seconds
+# while the trial runs; a RUNNING trial silent for GRACE_S (its tuner died) is failed by the next
+# search on the study, and its config becomes proposable again.
+HEARTBEAT_S = 15
+GRACE_S = 120
+SQLITE_BUSY_S = 120  # how long a SQLite write waits for another tuner's lock
+
+
+class StudyStorageError(RuntimeError):
+    """The optuna study storage failed (unreachable, locked too long, corrupt)."""
+
+
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    import optuna
+
+    errors: list[type[BaseException]] = [optuna.exceptions.StorageInternalError]
+    try:
+        import sqlalchemy.exc
+
+        errors.append(sqlalchemy.exc.SQLAlchemyError)
+    except ImportError:  # pragma: no cover - optuna's RDB storage needs it
+        pass
+    return tuple(errors)
+
+
+def open_storage(storage: Any) -> Any:
+    """An optuna storage for a URL: heartbeats on; for SQLite, a generous busy timeout, and the
+    schema created under a file lock (concurrent first runs on a fresh file raced on it). Other
+    values (None: in memory, a storage object) are returned as they are."""
+    if not isinstance(storage, str):
+        return storage
+    import filelock
+    import optuna
+
+    kw: dict[str, Any] = dict(heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # heartbeat options are experimental in some versions
+            if storage.startswith("sqlite:///"):
+                path = Path(storage[len("sqlite:///"):])
+                path.parent.mkdir(parents=True, exist_ok=True)
+                kw["engine_kwargs"] = {"connect_args": {"timeout": SQLITE_BUSY_S}}
+                with filelock.FileLock(f"{path}.lock", timeout=SQLITE_BUSY_S):
+                    return optuna.storages.RDBStorage(storage, **kw)
+            return optuna.storages.RDBStorage(storage, **kw)
+    except (*_storage_errors(), filelock.Timeout, OSError) as e:
+        raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: {e}") from None
+
+
+def _beats(storage: Any) -> bool:
+    """Does this storage keep heartbeats (an RDB storage opened with heartbeat_interval)?"""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return bool(interval and interval() is not None and hasattr(storage, "record_heartbeat"))
+
+
+def _claim_lock(storage: Any) -> Any:
+    """Tuners sharing a SQLite study file take this lock to propose, so that two never pick one
+    config. Other storages have no such lock: there, two tuners racing may measure one config
+    twice (a later trial that sees an earlier holder of its config is dropped, but a check
+    after the fact does not catch every race)."""
+    import contextlib
+
+    import filelock
+
+    if isinstance(storage, str) and storage.startswith("sqlite:///"):
+        return filelock.FileLock(f"{storage[len('sqlite:///'):]}.propose.lock", timeout=SQLITE_BUSY_S)
+    return contextlib.nullcontext()
+
+
+class _Heartbeat:
+    """Beats for the trials this process holds, from a thread, every HEARTBEAT_S seconds."""
+
+    def __init__(self, study: Any):
+        import threading
+
+        self.storage = study._storage if _beats(study._storage) else None
+        self.trials: set[int] = set()
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True) if self.storage is not None else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def add(self, trial: Any) -> None:
+        if self.storage is not None:
+            with self.lock:
+                self.trials.add(trial._trial_id)
+            self.storage.record_heartbeat(trial._trial_id)
+
+    def remove(self, trial: Any) -> None:
+        with self.lock:
+            self.trials.discard(trial._trial_id)
+
+    def _run(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            with self.lock:
+                ids = list(self.trials)
+            for i in ids:
+                try:
+                    self.storage.record_heartbeat(i)
+                except Exception:  # a missed beat is retried; the search reports storage errors
+                    pass
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
 
 
 def _compile_job(src: Any, target: Target) -> str | None:
@@ -225,7 +336,8 @@ def _n_seeds(trials: int) -> int:
 def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *,
            trials: int, timeout: float | None, storage: Any, seed: int, sampler: str | None = None,
            ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
-           warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None) -> tuple[Any, Config]:
+           warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None,
+           device: str = "") -> tuple[Any, Config]:
     """The search loop, apart from the device. `ev.start(configs)` begins compiling configs
     without waiting; `ev.measure(config)` returns a Measured or raises TrialFailed. Returns the
     optuna study and the default config (measured first, after any `warm` configs).
@@ -235,12 +347,36 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
     - `ahead` configs are proposed and compiling while one is measured; each result is told as it
       arrives and the next proposal is made from it.
     - `restrict`: search only the valid configs it accepts (e.g. those a recorded sweep holds).
-    - `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds."""
+    - `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds.
+    - `storage`: None (in memory), an optuna storage, or a URL (`open_storage`). Several tuners
+      may share one study: each proposes configs no other holds, and the trials of a tuner that
+      died are failed after GRACE_S and their configs proposed again.
+    Storage failures raise StudyStorageError."""
+    import filelock
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():  # we beat ourselves (ask/tell, not Study.optimize)
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            return _search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout,
+                           storage=open_storage(storage), seed=seed, sampler=sampler, ahead=ahead,
+                           on_trial=on_trial, warm=warm, restrict=restrict, device=device,
+                           claims=_claim_lock(storage))
+    except (*_storage_errors(), filelock.Timeout) as e:
+        raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *, trials: int,
+            timeout: float | None, storage: Any, seed: int, sampler: str | None, ahead: int,
+            on_trial: Callable[[int, int, float], None] | None, warm: tuple[Config, ...],
+            restrict: Callable[[Config], bool] | None, device: str, claims: Any) -> tuple[Any, Config]:
     import optuna
 
     from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.monotonic()
     valid = _valid_space(op, problem, target, restrict)
     valid_set = set(valid)
@@ -249,8 +385,10 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
     names = list(choices)
     smp = ValidSetSampler(valid, choices, strategy=sampler or DEFAULT_STRATEGY, seed=seed,
                           extra=geometry(op, problem, target))
-    study = optuna.create_study(study_name=study_name(op, problem, target), storage=storage,
+    study = optuna.create_study(study_name=study_name(op, problem, target, device), storage=storage,
                                 load_if_exists=True, direction="minimize", sampler=smp)
+    if _beats(study._storage):
+        optuna.storages.fail_stale_trials(study)  # a dead tuner's RUNNING trials: FAIL, proposable again
     # "The default" is the space's default, or the valid config nearest it (as the dispatcher does).
     default_cfg = op.space.nearest_default(lambda c: c in valid_set)
     assert default_cfg is not None  # `valid` is non-empty
@@ -262,22 +400,35 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
     trials = min(trials, smp.unseen(study))
     done, best = 0, math.inf
     in_flight: collections.deque[tuple[Any, Config]] = collections.deque()
+    beat = _Heartbeat(study)
+
+    def drop(trial: Any, attr: str, value: Any) -> None:
+        trial.set_user_attr(attr, value)
+        study.tell(trial, state=States.FAIL, skip_if_finished=True)
 
     def propose() -> tuple[Any, Config] | None:
         """The next trial and its config, or None when every valid config is taken."""
+        with claims:  # tuners on one SQLite file propose one at a time: no two claim one config
+            return _propose()
+
+    def _propose() -> tuple[Any, Config] | None:
         while smp.unseen(study) > 0:
             trial = study.ask()
+            beat.add(trial)
             cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})
             if cfg not in valid_set:  # only an enqueued config from elsewhere can be invalid here
                 ok = op.validate(problem, cfg, target)
-                trial.set_user_attr("invalid", ok.reason if not ok else "outside the searched configs")
-            elif any(config_of(t, names) == cfg and settled(t) for t in study.get_trials(deepcopy=False)
-                     if t.number != trial.number):  # another process holds it (a race)
-                trial.set_user_attr("duplicate", True)
-            else:
-                return trial, cfg
+                reason = ok.reason if not ok else "outside the searched configs"
+            else:  # under a race with another tuner, the lower trial number keeps the config
+                twin = next((t.number for t in study.get_trials(deepcopy=False)
+                             if t.number != trial.number and config_of(t, names) == cfg and settled(t)
+                             and (t.state != States.RUNNING or t.number < trial.number)), None)
+                if twin is None:
+                    return trial, cfg
+                reason = None
             ev.pruned += 1
-            study.tell(trial, state=States.FAIL)
+            beat.remove(trial)
+            drop(trial, "invalid" if reason else "duplicate_of", reason or twin)
         return None
 
     def time_left() -> bool:
@@ -301,19 +452,22 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
             except TrialFailed as e:
                 trial.set_user_attr(FAILURE_ATTR, str(e))
                 ev.failures.append((config.key(), str(e)))
-                study.tell(trial, state=States.FAIL)
+                study.tell(trial, state=States.FAIL, skip_if_finished=True)
             else:
                 trial.set_user_attr("instance", m.instance)
                 trial.set_user_attr("spread", round(m.timing.spread, 4))
-                study.tell(trial, m.timing.median_us)
+                study.tell(trial, m.timing.median_us, skip_if_finished=True)
                 best = min(best, m.timing.median_us)
+            beat.remove(trial)
             done += 1
             if on_trial:
                 on_trial(done, trials, best)
     finally:
-        for trial, _ in in_flight:  # proposed, never measured (time budget, or an error)
-            trial.set_user_attr("cancelled", True)
-            study.tell(trial, state=States.FAIL)
+        try:
+            for trial, _ in in_flight:  # proposed, never measured (time budget, or an error)
+                drop(trial, "cancelled", True)
+        finally:
+            beat.close()
     return study, default_cfg
 
 
@@ -356,7 +510,7 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     obj = _Objective(op, problem, target, harness, timer)
     study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
                                 storage=storage, seed=seed, sampler=sampler, ahead=ahead, on_trial=on_trial,
-                                warm=warm)
+                                warm=warm, device=info.name)
     valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
     ranked = final_round(obj, study, default_cfg, valid, rounds)
     if not ranked:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from . import settings
 from .bench import Timer, Timing, gbps
 from .compile import CompileError, compile_many, ensure_cubin
 from .instance import render_instance
@@ -197,8 +198,11 @@ class _Heartbeat:
             self.thread.join(timeout=5)
 
 
-def _compile_job(src: Any, target: Target) -> str | None:
-    """In a worker process: the cubin into the disk cache, or the compiler's message."""
+def _compile_job(src: Any, target: Target, cache: str) -> str | None:
+    """In a worker process: the cubin into the disk cache (the caller's), or the compiler's message."""
+    from . import settings
+
+    os.environ[settings.ENV_CACHE] = cache
     try:
         ensure_cubin(src, target)
         return None
@@ -237,7 +241,7 @@ class _Objective:
             if c in self.measured or c in self.pending:
                 continue
             src = render_instance(self.op, self.problem, c, self.target)
-            self.pending[c] = _job_pool().submit(_compile_job, src, self.target)
+            self.pending[c] = _job_pool().submit(_compile_job, src, self.target, str(settings.cache_dir()))
 
     def prepare(self, configs: list[Config]) -> None:
         """Compile many in parallel and wait (bench/sweep.py)."""

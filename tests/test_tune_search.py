@@ -218,3 +218,18 @@ def test_db_entry_keeps_the_spread():
     assert dbmod.Entry.from_dict(e.to_dict()).spread == 0.031
     old = dbmod.Entry.from_dict({k: v for k, v in e.to_dict().items() if k != "spread"})
     assert old.spread is None and "spread" not in old.to_dict()
+
+
+def test_start_compiles_in_worker_processes_and_measure_waits_for_it():
+    pytest.importorskip("cupy")
+    from ckgen.compile import cubin_path
+    from ckgen.instance import render_instance
+
+    configs = sorted(VALID, key=lambda c: c.key())[:3]
+    obj = _Objective(OP, PROBLEM, SM90, FakeHarness(), ScriptedTimer({c: [1.0] for c in configs}))
+    obj.start(configs)  # returns at once; the compiles run in spawned workers
+    assert set(obj.pending) == set(configs)
+    for c in configs:
+        m = obj.measure(c)
+        assert m.timing.median_us == 1.0 and c not in obj.pending
+        assert cubin_path(render_instance(OP, PROBLEM, c, SM90), "sm_90").is_file()

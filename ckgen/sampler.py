@@ -238,7 +238,18 @@ class ValidSetSampler(optuna.samplers.BaseSampler):
         return values, taken
 
     def unseen(self, study: optuna.Study) -> int:
+        """Valid configs no trial holds (what the model may still propose)."""
         return len(self.valid) - len(self.state(study)[1])
+
+    def available(self, study: optuna.Study) -> int:
+        """Valid configs still to measure: the unseen ones plus those enqueued (WAITING)."""
+        held = set()
+        for t in study.get_trials(deepcopy=False):
+            if t.state != TrialState.WAITING and settled(t):
+                cfg = config_of(t, self.names)
+                if cfg in self.index:
+                    held.add(self.index[cfg])
+        return len(self.valid) - len(held)
 
     # -- optuna's sampler interface
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:

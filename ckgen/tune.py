@@ -401,7 +401,7 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
     for cfg in dict.fromkeys(enqueue):
         study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
     States = optuna.trial.TrialState
-    trials = min(trials, smp.unseen(study))
+    trials = min(trials, smp.available(study))
     done, best = 0, math.inf
     in_flight: collections.deque[tuple[Any, Config]] = collections.deque()
     beat = _Heartbeat(study)
@@ -416,7 +416,7 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
             return _propose()
 
     def _propose() -> tuple[Any, Config] | None:
-        while smp.unseen(study) > 0:
+        while smp.available(study) > 0:
             trial = study.ask()
             beat.add(trial)
             cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})

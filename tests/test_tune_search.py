@@ -146,6 +146,10 @@ def test_restrict_limits_the_searched_configs():
     ev = Replay(synthetic)
     study, default_cfg = run(ev, trials=25, restrict=allowed.__contains__)
     assert set(ev.calls) <= allowed and default_cfg in allowed
+    few = set(sorted(allowed, key=lambda c: c.key())[:5]) | {default_cfg}
+    ev = Replay(synthetic)
+    study, _ = run(ev, trials=50, restrict=few.__contains__)  # a budget over the space: all of it, once
+    assert sorted(ev.calls, key=Config.key) == sorted(few, key=Config.key)
 
 
 def test_tpe_flags_are_all_set_explicitly():

@@ -1,16 +1,38 @@
 """Measure EVERY valid config of one problem (compiled in parallel, verified, timed) and print
-the best ones per family. Answers "is the space or the sampler the limit?".
+the best ones per family. Answers "is the space or the sampler the limit?"; with --out, the
+result is the test data the tuner's search is replayed on (tests/test_tune_replay.py).
 
     python bench/sweep.py --shape 8,320,64,64 --groups 32 --dtype bf16 --layout nhwc [--out DIR]
-    python bench/sweep.py --op maxpool2d_fwd --key 'N=64,C=64,...,idx=0' [--limit 60] [--out DIR]"""
+    python bench/sweep.py --op maxpool2d_fwd --key 'N=64,C=64,...,idx=0' [--limit 60] [--out DIR]
+    python bench/sweep.py --op groupnorm_bwd --key KEY --out bench/results/sweeps --chunk 256
+
+With --out and no --limit/--config/--where, the sweep is resumable: the file is rewritten after
+every chunk of --chunk configs (compiled together, then measured), marked "complete": false
+until the last chunk, and a rerun of the same command measures only what it lacks.
+bench/sweeps.sh runs the whole set of issue 17 this way."""
 from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+
+def sweep_name(op, p) -> str:
+    digest = hashlib.sha256(p.key().encode()).hexdigest()[:8]
+    return f"sweep-{op.name}-{p.layout}-{p.N}x{p.C}x{p.H}x{p.W}-{digest}.json"
+
+
+def write(path: Path, doc: dict) -> None:
+    """Atomically: an interrupted sweep leaves the last complete chunk behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=0))
+    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -26,7 +48,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--layout", default="nchw")
     ap.add_argument("--activation", default="none")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="write sweep-<op>-<layout>-<NxCxHxW>-<key digest>.json here")
+    ap.add_argument("--chunk", type=int, default=256, help="configs per resumable chunk (with --out)")
     a = ap.parse_args()
     from ckgen.bench import Timer
     from ckgen.ops import get_op
@@ -52,21 +75,40 @@ def main() -> int:
     else:
         valid = [c for c in op.space.enumerate() if op.validate(p, c, info.target)]
     t0 = time.monotonic()
-    timer = Timer(info.l2_bytes, warmup=2, runs=15)
+    timer = Timer(info.l2_bytes)  # as the tuner times (3 warm-ups, 25 runs, L2 flushed)
     obj = _Objective(op, p, info.target, Harness(op, p), timer)
-    obj.prepare(valid)
-    t1 = time.monotonic()
-    rows, failed = [], 0
-    for c in valid:
-        try:
-            m = obj.measure(c)
-            rows.append((m.timing.median_us, m.instance, c.as_dict()))
-        except TrialFailed:
-            failed += 1
+    exhaustive = not (a.where or a.config or a.limit)
+    path = Path(a.out) / sweep_name(op, p) if a.out else None
+    rows: list = []
+    failed: list = []
+    if path is not None and exhaustive and path.is_file():  # resume a partial sweep
+        done = json.loads(path.read_text())
+        if done.get("problem") == p.key() and done.get("arch") == info.target.arch:
+            rows, failed = [tuple(r) for r in done["rows"]], [tuple(f) for f in done.get("failed", [])]
+    seen = {json.dumps(r[2], sort_keys=True) for r in rows} | {json.dumps(f[0], sort_keys=True) for f in failed}
+    todo = [c for c in valid if json.dumps(c.as_dict(), sort_keys=True) not in seen]
+    print(f"{p.key()}: {len(valid)} valid configs, {len(valid) - len(todo)} already measured", flush=True)
     copy = timer.copy_time(op.min_bytes(p)).median_us
+    step = a.chunk if path is not None and exhaustive else len(todo) or 1
+    for i in range(0, len(todo), step):
+        chunk = todo[i:i + step]
+        obj.prepare(chunk)
+        for c in chunk:
+            try:
+                m = obj.measure(c)
+                rows.append((m.timing.median_us, m.instance, c.as_dict()))
+            except TrialFailed as e:
+                failed.append((c.as_dict(), str(e)[:300]))
+        obj.measured.clear()
+        obj.runners.clear()  # keep GPU memory flat over thousands of configs
+        if path is not None:
+            write(path, {"op": op.name, "problem": p.key(), "arch": info.target.arch, "device": info.name,
+                         "num_sms": info.num_sms, "complete": exhaustive and i + step >= len(todo),
+                         "configs": len(valid), "copy_us": copy, "timer": {"warmup": timer.warmup, "runs": timer.runs},
+                         "rows": sorted(rows, key=lambda r: r[0]), "failed": failed})
+        print(f"  {min(i + step, len(todo))}/{len(todo)} measured, {time.monotonic() - t0:.0f}s", flush=True)
     rows.sort(key=lambda r: r[0])
-    print(f"{p.key()}: {len(valid)} valid configs, compile {t1 - t0:.0f}s, measure {time.monotonic() - t1:.0f}s, "
-          f"{failed} failed; copy {copy:.1f} us")
+    print(f"{p.key()}: {len(valid)} valid configs, {time.monotonic() - t0:.0f}s, {len(failed)} failed; copy {copy:.1f} us")
     for us, name, _ in rows[:12]:
         print(f"  {us:8.1f} us  eff {copy / us:.2f}  {name}")
     if rows and "slice_in" in rows[0][2]:
@@ -75,10 +117,6 @@ def main() -> int:
             fam[(cfg["slice_in"], cfg["cluster"], cfg.get("groups_per_block"))].append(us)
         print("best per (slice_in, cluster, groups_per_block):",
               {f"{k[0]}/c{k[1]}/g{k[2]}": round(min(v), 1) for k, v in sorted(fam.items())})
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / f"sweep-{op.name}-{p.layout}-{p.N}x{p.C}x{p.H}x{p.W}.json").write_text(
-            json.dumps({"problem": p.key(), "copy_us": copy, "rows": rows}, indent=0))
     return 0
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 
 console = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
+SAMPLERS = ("gp", "tpe", "random")  # ckgen.sampler.STRATEGIES less optuna-gp (needs torch)
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -74,7 +75,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
             try:
                 r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
-                                 seed=args.seed, on_trial=progress)
+                                 seed=args.seed, sampler=args.sampler, on_trial=progress)
             except RuntimeError as e:
                 err.print(f"{p.key()}: {e}", markup=False)
                 continue
@@ -233,7 +234,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
         try:
             r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
                              storage=args.storage or settings.study_storage_url(), seed=args.seed,
-                             warm=(item.config,) if ok else ())
+                             sampler=args.sampler, warm=(item.config,) if ok else ())
         except RuntimeError as e:
             err.print(f"{item.problem}: {e}", markup=False)
             continue
@@ -315,6 +316,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--total-timeout", type=float, help="seconds for the whole run")
     t.add_argument("--storage", help="optuna storage URL (default: SQLite file in the cache dir)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--sampler", choices=SAMPLERS, default="gp",
+                   help="search strategy over the valid configs (default gp; see docs/architecture.md)")
     t.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     t.set_defaults(fn=cmd_tune)
 
@@ -339,6 +342,7 @@ def parser() -> argparse.ArgumentParser:
     rt.add_argument("--total-timeout", type=float, help="seconds for the whole run")
     rt.add_argument("--storage", help="optuna storage URL")
     rt.add_argument("--seed", type=int, default=0)
+    rt.add_argument("--sampler", choices=SAMPLERS, default="gp", help="search strategy (default gp)")
     rt.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     rt.set_defaults(fn=cmd_retune)
 

@@ -172,6 +172,9 @@ class Entry:
     gbps: float
     default_time_us: float
     provenance: tuple[tuple[str, Any], ...] = ()
+    # The winner's run-to-run spread in the final re-timing, (max - min) / median of its
+    # per-round medians; None in entries from before it was recorded.
+    spread: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("op", "vendor", "arch", "device", "problem", "instance", "source_sha256"):
@@ -179,6 +182,8 @@ class Entry:
         object.__setattr__(self, "problem", _problem_key(self.op, self.problem))
         for name in ("time_us", "gbps", "default_time_us"):
             object.__setattr__(self, name, _number(name, getattr(self, name)))
+        if self.spread is not None:
+            object.__setattr__(self, "spread", _number("spread", self.spread))
         object.__setattr__(self, "config", _pairs("config", self.config, (str, int, float)))
         object.__setattr__(self, "provenance", _pairs("provenance", self.provenance, _SCALARS))
 
@@ -200,7 +205,7 @@ class Entry:
 
     def to_dict(self) -> dict[str, Any]:
         """The nested YAML form (target: {vendor, arch, device})."""
-        return {
+        out = {
             "op": self.op,
             "target": {"vendor": self.vendor, "arch": self.arch, "device": self.device},
             "problem": self.problem,
@@ -212,6 +217,9 @@ class Entry:
             "default_time_us": self.default_time_us,
             "provenance": self.provenance_dict(),
         }
+        if self.spread is not None:
+            out["spread"] = self.spread
+        return out
 
     @classmethod
     def from_dict(cls, d: Any) -> "Entry":
@@ -234,6 +242,7 @@ class Entry:
             gbps=_field(d, "gbps"),
             default_time_us=_field(d, "default_time_us"),
             provenance=d.get("provenance") or {},
+            spread=d.get("spread"),
         )
 
 

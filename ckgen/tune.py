@@ -1,24 +1,40 @@
-"""One optuna study per problem: TPE, seeded with the default config, invalid configs pruned
-with their reason before any compile, wrong or failing candidates recorded as failed trials,
-budgets in trials and seconds, resumable from optuna storage (SQLite under the cache dir)."""
+"""One optuna study per problem. The sampler proposes only valid configs no trial holds yet
+(ckgen/sampler.py: a Gaussian process by default), seeded with the default config and model-picked
+configs. Proposals are compiled in parallel worker processes a few ahead of the GPU, and each
+result is told as it arrives, so the next proposal comes from the latest model. Wrong or failing
+candidates are failed trials with their reason. Budgets in trials and seconds; resumable from
+optuna storage (SQLite under the cache dir). The winner is picked among the best few by fresh
+timings, interleaved over several rounds, by median."""
 from __future__ import annotations
 
+import atexit
+import collections
+import concurrent.futures as cf
 import datetime as _dt
 import math
+import multiprocessing as mp
+import os
+import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
+from . import settings
 from .bench import Timer, Timing, gbps
-from .compile import CompileError, compile_many
+from .compile import CompileError, compile_many, ensure_cubin
 from .instance import render_instance
 from .ops.spec import Config, OpSpec, Problem, Target
 from .target import DeviceInfo
 from .verify import Harness
 
-# A trial the sampler proposed whose config the op rejects costs no compile; still, stop
-# a study that proposes almost nothing valid.
-MAX_PRUNED_PER_TRIAL = 50
+# Configs proposed ahead of the one being measured: they compile in parallel while the GPU
+# measures, and the next proposal is made from every result but theirs. Chosen on the recorded
+# sweeps (bench/replay_search.py): more ahead compiles more in parallel but proposes blinder.
+AHEAD = 4
+FINALISTS = 3  # best configs of the study re-timed in the final round, with the default
+ROUNDS = 5  # interleaved rounds of the final re-timing
 
 
 class TrialFailed(Exception):
@@ -27,10 +43,14 @@ class TrialFailed(Exception):
 
 @dataclass
 class Measured:
+    """A measured config. For a winner or default of `tune_problem`, `timing` summarizes the final
+    rounds: median, min and max of the per-round medians (so `spread` is the run-to-run spread)."""
+
     config: Config
     instance: str
     sha256: str
     timing: Timing
+    rounds: tuple[float, ...] = ()
 
 
 @dataclass
@@ -42,10 +62,11 @@ class TuneResult:
     copy: Timing
     min_bytes: int
     trials: int
-    pruned: int
+    pruned: int  # proposals dropped before any compile (invalid or taken under a race); 0 normally
     failures: list[tuple[str, str]] = field(default_factory=list)  # (config key, reason)
     seconds: float = 0.0
     warm: list[Measured] = field(default_factory=list)  # the warm-start configs, measured here
+    finalists: list[Measured] = field(default_factory=list)  # the final round, best first
 
     @property
     def gbps(self) -> float:
@@ -60,32 +81,186 @@ class TuneResult:
         return self.default.timing.median_us / self.best.timing.median_us if self.default else float("nan")
 
 
-def study_name(op: OpSpec, problem: Problem, target: Target) -> str:
+def study_name(op: OpSpec, problem: Problem, target: Target, device: str = "") -> str:
     """Resuming a study is only sound while the templates are unchanged: their digest is part
-    of the name, so an edited template starts a fresh study instead of trusting old timings."""
+    of the name, so an edited template starts a fresh study instead of trusting old timings.
+    The device name is part of it too: two GPUs of one arch do not share timings."""
     from .codegen import templates_digest
 
-    return f"{op.name}|{target.arch}|{problem.key()}|{templates_digest()[:12]}"
+    return f"{op.name}|{target.arch}|{device}|{problem.key()}|{templates_digest()[:12]}"
+
+
+# Study storage shared by concurrent tuners: a trial's process beats every HEARTBEAT_S seconds
+# while the trial runs; a RUNNING trial silent for GRACE_S (its tuner died) is failed by the next
+# search on the study, and its config becomes proposable again.
+HEARTBEAT_S = 15
+GRACE_S = 120
+SQLITE_BUSY_S = 120  # how long a SQLite write waits for another tuner's lock
+
+
+class StudyStorageError(RuntimeError):
+    """The optuna study storage failed (unreachable, locked too long, corrupt)."""
+
+
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    import optuna
+
+    errors: list[type[BaseException]] = [optuna.exceptions.StorageInternalError]
+    try:
+        import sqlalchemy.exc
+
+        errors.append(sqlalchemy.exc.SQLAlchemyError)
+    except ImportError:  # pragma: no cover - optuna's RDB storage needs it
+        pass
+    return tuple(errors)
+
+
+def open_storage(storage: Any) -> Any:
+    """An optuna storage for a URL: heartbeats on; for SQLite, a generous busy timeout, and the
+    schema created under a file lock (concurrent first runs on a fresh file raced on it). Other
+    values (None: in memory, a storage object) are returned as they are."""
+    if not isinstance(storage, str):
+        return storage
+    import filelock
+    import optuna
+
+    kw: dict[str, Any] = dict(heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # heartbeat options are experimental in some versions
+            if storage.startswith("sqlite:///"):
+                path = Path(storage[len("sqlite:///"):])
+                path.parent.mkdir(parents=True, exist_ok=True)
+                kw["engine_kwargs"] = {"connect_args": {"timeout": SQLITE_BUSY_S}}
+                with filelock.FileLock(f"{path}.lock", timeout=SQLITE_BUSY_S):
+                    return optuna.storages.RDBStorage(storage, **kw)
+            return optuna.storages.RDBStorage(storage, **kw)
+    except (*_storage_errors(), filelock.Timeout, OSError) as e:
+        raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: {e}") from None
+
+
+def _beats(storage: Any) -> bool:
+    """Does this storage keep heartbeats (an RDB storage opened with heartbeat_interval)?"""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return bool(interval and interval() is not None and hasattr(storage, "record_heartbeat"))
+
+
+def _claim_lock(storage: Any) -> Any:
+    """Tuners sharing a SQLite study file take this lock to propose, so that two never pick one
+    config. Other storages have no such lock: there, two tuners racing may measure one config
+    twice (a later trial that sees an earlier holder of its config is dropped, but a check
+    after the fact does not catch every race)."""
+    import contextlib
+
+    import filelock
+
+    if isinstance(storage, str) and storage.startswith("sqlite:///"):
+        return filelock.FileLock(f"{storage[len('sqlite:///'):]}.propose.lock", timeout=SQLITE_BUSY_S)
+    return contextlib.nullcontext()
+
+
+class _Heartbeat:
+    """Beats for the trials this process holds, from a thread, every HEARTBEAT_S seconds."""
+
+    def __init__(self, study: Any):
+        import threading
+
+        self.storage = study._storage if _beats(study._storage) else None
+        self.trials: set[int] = set()
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True) if self.storage is not None else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def add(self, trial: Any) -> None:
+        if self.storage is not None:
+            with self.lock:
+                self.trials.add(trial._trial_id)
+            self.storage.record_heartbeat(trial._trial_id)
+
+    def remove(self, trial: Any) -> None:
+        with self.lock:
+            self.trials.discard(trial._trial_id)
+
+    def _run(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            with self.lock:
+                ids = list(self.trials)
+            for i in ids:
+                try:
+                    self.storage.record_heartbeat(i)
+                except Exception:  # a missed beat is retried; the search reports storage errors
+                    pass
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+
+
+def _compile_job(src: Any, target: Target, cache: str) -> str | None:
+    """In a worker process: the cubin into the disk cache (the caller's), or the compiler's message."""
+    from . import settings
+
+    os.environ[settings.ENV_CACHE] = cache
+    try:
+        ensure_cubin(src, target)
+        return None
+    except CompileError as e:
+        return e.log.strip()[-400:]
+
+
+_jobs: cf.ProcessPoolExecutor | None = None
+
+
+def _job_pool() -> cf.ProcessPoolExecutor:
+    global _jobs
+    if _jobs is None:
+        workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+        _jobs = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+        atexit.register(_jobs.shutdown)
+    return _jobs
 
 
 class _Objective:
+    """Compiles (in the background), verifies and times configs of one problem on this GPU."""
+
     def __init__(self, op: OpSpec, problem: Problem, target: Target, harness: Harness, timer: Timer):
         self.op, self.problem, self.target, self.h, self.timer = op, problem, target, harness, timer
         self.space = op.space
         self.failures: list[tuple[str, str]] = []
         self.measured: dict[Config, Measured] = {}
         self.compile_errors: dict[str, str] = {}
+        self.pending: dict[Config, cf.Future[str | None]] = {}
+        self.runners: dict[Config, Callable[[], None]] = {}
         self.pruned = 0
 
+    def start(self, configs: list[Config]) -> None:
+        """Compile in worker processes, without waiting: `measure` waits for its own config."""
+        for c in configs:
+            if c in self.measured or c in self.pending:
+                continue
+            src = render_instance(self.op, self.problem, c, self.target)
+            self.pending[c] = _job_pool().submit(_compile_job, src, self.target, str(settings.cache_dir()))
+
     def prepare(self, configs: list[Config]) -> None:
-        """Compile a batch in parallel worker processes (compile is the slow part)."""
+        """Compile many in parallel and wait (bench/sweep.py)."""
         srcs = [render_instance(self.op, self.problem, c, self.target) for c in configs if c not in self.measured]
         self.compile_errors.update(compile_many(srcs, self.target))
 
-    def measure(self, config: Config) -> Measured:
-        if config in self.measured:
-            return self.measured[config]
+    def _runner(self, config: Config) -> tuple[Any, Callable[[], None]]:
+        """Compiled, loaded and verified on fresh inputs in this run; TrialFailed otherwise."""
         src = render_instance(self.op, self.problem, config, self.target)
+        if config in self.runners:
+            return src, self.runners[config]
+        job = self.pending.pop(config, None)
+        if job is not None:
+            try:
+                msg = job.result()
+            except Exception:  # a worker died: the runner compiles it here instead
+                msg = None
+            if msg:
+                self.compile_errors[src.name] = f"{src.name}: {msg}"
         if src.name in self.compile_errors:
             raise TrialFailed(f"compile error: {self.compile_errors[src.name]}")
         try:
@@ -98,140 +273,259 @@ class _Objective:
             raise TrialFailed(f"launch error: {e.__class__.__name__}: {e}") from None
         if not check.ok:
             raise TrialFailed(f"wrong result: {check.detail}")
+        self.runners[config] = run
+        return src, run
+
+    def measure(self, config: Config) -> Measured:
+        if config in self.measured:
+            return self.measured[config]
+        src, run = self._runner(config)
         m = Measured(config, src.name, src.sha256, self.timer.time(run))
         self.measured[config] = m
         return m
 
+    def retime(self, configs: list[Config], rounds: int) -> tuple[dict[Config, Measured], dict[Config, str]]:
+        """Fresh timings of `configs`, interleaved: every round times each once (25 runs, median),
+        in an order rotated by one per round. Returns their Measured (timing over the rounds)
+        and the configs that failed with why."""
+        runs: dict[Config, tuple[Any, Callable[[], None]]] = {}
+        failed: dict[Config, str] = {}
+        for c in configs:
+            try:
+                runs[c] = self._runner(c)
+            except TrialFailed as e:
+                failed[c] = str(e)
+        order = list(runs)
+        times: dict[Config, list[float]] = {c: [] for c in order}
+        for r in range(rounds if order else 0):
+            k = r % len(order)
+            for c in order[k:] + order[:k]:
+                times[c].append(self.timer.time(runs[c][1]).median_us)
+        return {c: final_measured(c, runs[c][0].name, runs[c][0].sha256, times[c]) for c in order}, failed
 
-def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: "_Objective", *,
-           trials: int, timeout: float | None, storage: str | None, seed: int, batch: int = 16,
-           on_trial: Callable[[int, int, float], None] | None = None,
-           warm: tuple[Config, ...] = ()) -> tuple[Any, Config]:
-    """The search loop, apart from the device: `ev` prepares (compiles) and measures configs, or
-    raises TrialFailed. Returns the optuna study and the default config measured first.
-    `trials` counts measured candidates (failed ones included); pruned proposals are free.
-    `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds."""
+
+def final_measured(config: Config, instance: str, sha256: str, rounds: list[float]) -> Measured:
+    """A config's final-round result: the median of its per-round medians, min and max as spread."""
+    return Measured(config, instance, sha256,
+                    Timing(statistics.median(rounds), min(rounds), max(rounds), len(rounds)), tuple(rounds))
+
+
+def _valid_space(op: OpSpec, problem: Problem, target: Target,
+                 restrict: Callable[[Config], bool] | None) -> list[Config]:
+    valid = [c for c in op.space.enumerate() if op.validate(problem, c, target) and (restrict is None or restrict(c))]
+    if not valid:
+        raise RuntimeError(f"{op.name} {problem.key()}: no config of the space is valid for this problem")
+    return valid
+
+
+def geometry(op: OpSpec, problem: Problem, target: Target) -> Callable[[Config], dict[str, float]]:
+    """What the sampler's model sees beyond the knobs, from the op's contract alone: the blocks of
+    the main (last) launch, and the bytes each of their threads moves (these ops are memory-bound:
+    parallelism and work per thread decide most of the time, and both combine several knobs)."""
+    need = op.min_bytes(problem)
+
+    def features(c: Config) -> dict[str, float]:
+        launch = op.launches(problem, c, target)[-1]
+        blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
+        threads = launch.block[0] * launch.block[1] * launch.block[2]
+        return {"blocks": float(blocks), "bytes_per_thread": max(need / (blocks * threads), 1e-3)}
+
+    return features
+
+
+def _n_seeds(trials: int) -> int:
+    return max(2, min(12, trials // 4))
+
+
+def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *,
+           trials: int, timeout: float | None, storage: Any, seed: int, sampler: str | None = None,
+           ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
+           warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None,
+           device: str = "") -> tuple[Any, Config]:
+    """The search loop, apart from the device. `ev.start(configs)` begins compiling configs
+    without waiting; `ev.measure(config)` returns a Measured or raises TrialFailed. Returns the
+    optuna study and the default config (measured first, after any `warm` configs).
+
+    - `trials` counts configs measured in this run (failed ones included), at most the number of
+      valid configs no trial holds yet. Every trial holds a distinct config.
+    - `ahead` configs are proposed and compiling while one is measured; each result is told as it
+      arrives and the next proposal is made from it.
+    - `restrict`: search only the valid configs it accepts (e.g. those a recorded sweep holds).
+    - `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds.
+    - `storage`: None (in memory), an optuna storage, or a URL (`open_storage`). Several tuners
+      may share one study: each proposes configs no other holds, and the trials of a tuner that
+      died are failed after GRACE_S and their configs proposed again.
+    Storage failures raise StudyStorageError."""
+    import filelock
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():  # we beat ourselves (ask/tell, not Study.optimize)
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            return _search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout,
+                           storage=open_storage(storage), seed=seed, sampler=sampler, ahead=ahead,
+                           on_trial=on_trial, warm=warm, restrict=restrict, device=device,
+                           claims=_claim_lock(storage))
+    except (*_storage_errors(), filelock.Timeout) as e:
+        raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *, trials: int,
+            timeout: float | None, storage: Any, seed: int, sampler: str | None, ahead: int,
+            on_trial: Callable[[int, int, float], None] | None, warm: tuple[Config, ...],
+            restrict: Callable[[Config], bool] | None, device: str, claims: Any) -> tuple[Any, Config]:
+    import optuna
+
+    from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
+
     t0 = time.monotonic()
-    study = optuna.create_study(study_name=study_name(op, problem, target), storage=storage,
-                                load_if_exists=True, direction="minimize",
-                                sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=8))
-    valid = [c for c in op.space.enumerate() if op.validate(problem, c, target)]
-    if not valid:
-        raise RuntimeError(f"{op.name} {problem.key()}: no config of the space is valid for this problem")
-    # Search only values that occur in some valid config (NCHW never varies groups_per_block):
-    # far fewer proposals are pruned, and the sampler's history stays small.
-    choices = {n: [v for v in vals if any(c[n] == v for c in valid)] for n, vals in op.space.params.items()}
+    valid = _valid_space(op, problem, target, restrict)
+    valid_set = set(valid)
+    # Trials are suggested over the space's own values, so a study keeps its distributions.
+    choices = {n: list(vals) for n, vals in op.space.params.items()}
+    names = list(choices)
+    smp = ValidSetSampler(valid, choices, strategy=sampler or DEFAULT_STRATEGY, seed=seed,
+                          extra=geometry(op, problem, target))
+    study = optuna.create_study(study_name=study_name(op, problem, target, device), storage=storage,
+                                load_if_exists=True, direction="minimize", sampler=smp)
+    if _beats(study._storage):
+        optuna.storages.fail_stale_trials(study)  # a dead tuner's RUNNING trials: FAIL, proposable again
     # "The default" is the space's default, or the valid config nearest it (as the dispatcher does).
-    default_cfg = op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
+    default_cfg = op.space.nearest_default(lambda c: c in valid_set)
     assert default_cfg is not None  # `valid` is non-empty
-    for cfg in warm:
-        if op.validate(problem, cfg, target):
-            study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
-    study.enqueue_trial(default_cfg.as_dict(), skip_if_exists=True)
-    for seed_cfg in op.seed_configs(problem, target, num_sms, count=max(2, min(12, trials // 4))):
-        study.enqueue_trial(seed_cfg.as_dict(), skip_if_exists=True)
+    seeds = [c for c in op.seed_configs(problem, target, num_sms, count=len(valid)) if c in valid_set]
+    enqueue = [c for c in warm if c in valid_set] + [default_cfg] + seeds[: _n_seeds(trials)]
+    for cfg in dict.fromkeys(enqueue):
+        study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
     States = optuna.trial.TrialState
-    trials = min(trials, len(valid))  # a small space is simply measured whole
-    # A resumed study already holds measurements (same templates: the name carries their digest):
-    # a repeat of one is told its stored value or failure instead of being measured again.
-    known: dict[Config, float] = {}
-    failed: dict[Config, str] = {}
-    for t in study.trials:
-        if t.state == States.COMPLETE and set(t.params) == set(choices):
-            known[Config.of(t.params)] = t.value
-        elif t.state == States.FAIL and "failure" in t.user_attrs and set(t.params) == set(choices):
-            failed[Config.of(t.params)] = t.user_attrs["failure"]
-    done, asked = 0, 0
-    best = math.inf
-    while done < trials and (timeout is None or time.monotonic() - t0 < timeout):
-        pending: list[tuple[Any, Config]] = []
-        while len(pending) < min(batch, trials - done) and asked < MAX_PRUNED_PER_TRIAL * max(trials, 1):
-            asked += 1
+    trials = min(trials, smp.available(study))
+    done, best = 0, math.inf
+    in_flight: collections.deque[tuple[Any, Config]] = collections.deque()
+    beat = _Heartbeat(study)
+
+    def drop(trial: Any, attr: str, value: Any) -> None:
+        trial.set_user_attr(attr, value)
+        study.tell(trial, state=States.FAIL, skip_if_finished=True)
+
+    def propose() -> tuple[Any, Config] | None:
+        """The next trial and its config, or None when every valid config is taken."""
+        with claims:  # tuners on one SQLite file propose one at a time: no two claim one config
+            return _propose()
+
+    def _propose() -> tuple[Any, Config] | None:
+        while smp.available(study) > 0:
             trial = study.ask()
-            config = Config.of({n: trial.suggest_categorical(n, ch) for n, ch in choices.items()})
-            ok = op.validate(problem, config, target)
-            if not ok:
-                ev.pruned += 1
-                trial.set_user_attr("invalid", ok.reason)
-                study.tell(trial, state=States.PRUNED)
-            elif config in ev.measured:  # a repeat: its value is known, nothing new to measure
-                study.tell(trial, ev.measured[config].timing.median_us)
-            elif config in known:  # measured by an earlier run of this study
-                study.tell(trial, known[config])
-            elif config in failed:  # a repeat of a failure: fail again without retrying
-                trial.set_user_attr("failure", failed[config])
-                study.tell(trial, state=States.FAIL)
-            elif any(config == c for _, c in pending):
-                study.tell(trial, state=States.PRUNED)
-            else:
-                pending.append((trial, config))
-        if not pending:
-            break
-        ev.prepare([c for _, c in pending])
-        for trial, config in pending:
+            beat.add(trial)
+            cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})
+            if cfg not in valid_set:  # only an enqueued config from elsewhere can be invalid here
+                ok = op.validate(problem, cfg, target)
+                reason = ok.reason if not ok else "outside the searched configs"
+            else:  # under a race with another tuner, the lower trial number keeps the config
+                twin = next((t.number for t in study.get_trials(deepcopy=False)
+                             if t.number != trial.number and config_of(t, names) == cfg and settled(t)
+                             and (t.state != States.RUNNING or t.number < trial.number)), None)
+                if twin is None:
+                    return trial, cfg
+                reason = None
+            ev.pruned += 1
+            beat.remove(trial)
+            drop(trial, "invalid" if reason else "duplicate_of", reason or twin)
+        return None
+
+    def time_left() -> bool:
+        return timeout is None or time.monotonic() - t0 < timeout
+
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and time_left() and done + len(in_flight) < trials and len(in_flight) < max(1, ahead):
+                got = propose()
+                if got is None:
+                    exhausted = True
+                else:
+                    ev.start([got[1]])
+                    in_flight.append(got)
+            if not in_flight or not time_left():
+                break
+            trial, config = in_flight.popleft()
             try:
                 m = ev.measure(config)
             except TrialFailed as e:
-                failed[config] = str(e)
-                trial.set_user_attr("failure", str(e))
+                trial.set_user_attr(FAILURE_ATTR, str(e))
                 ev.failures.append((config.key(), str(e)))
-                study.tell(trial, state=States.FAIL)
+                study.tell(trial, state=States.FAIL, skip_if_finished=True)
             else:
                 trial.set_user_attr("instance", m.instance)
                 trial.set_user_attr("spread", round(m.timing.spread, 4))
-                study.tell(trial, m.timing.median_us)
+                study.tell(trial, m.timing.median_us, skip_if_finished=True)
                 best = min(best, m.timing.median_us)
+            beat.remove(trial)
             done += 1
             if on_trial:
                 on_trial(done, trials, best)
+    finally:
+        try:
+            for trial, _ in in_flight:  # proposed, never measured (time budget, or an error)
+                drop(trial, "cancelled", True)
+        finally:
+            beat.close()
     return study, default_cfg
+
+
+def finalists(study: Any, default_cfg: Config, valid: set[Config], count: int = FINALISTS) -> list[Config]:
+    """The `count` best distinct configs the study measured (earlier sessions included), then the
+    default: the final round's candidates."""
+    import optuna
+
+    best: dict[Config, float] = {}
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        cfg = Config.of(t.params)
+        if cfg in valid and t.value is not None and math.isfinite(t.value):
+            best[cfg] = min(t.value, best.get(cfg, math.inf))
+    top = sorted(best, key=best.__getitem__)[:count]
+    return top + ([default_cfg] if default_cfg not in top else [])
+
+
+def final_round(ev: Any, study: Any, default_cfg: Config, valid: set[Config], rounds: int = ROUNDS,
+                count: int = FINALISTS) -> list[Measured]:
+    """The winner is not one lucky timing: the study's best `count` configs and the default are
+    re-timed fresh in this run (`ev.retime`: interleaved rounds), best median first. Failures
+    go to `ev.failures`."""
+    final, failed = ev.retime(finalists(study, default_cfg, valid, count), rounds)
+    for cfg, why in failed.items():
+        ev.failures.append((cfg.key(), why))
+    return sorted(final.values(), key=lambda m: m.timing.median_us)
 
 
 def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
                  timeout: float | None = None, storage: str | None = None, seed: int = 0,
-                 batch: int = 16, warm: tuple[Config, ...] = (),
-                 on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
-    """Tune one problem on the current GPU and pick the winner. Candidates are asked from optuna
-    in batches of `batch`, compiled in parallel, then verified and timed one by one.
-    `on_trial(done, total, best_us)` reports progress."""
-    import optuna
-
+                 sampler: str | None = None, ahead: int = AHEAD, warm: tuple[Config, ...] = (),
+                 rounds: int = ROUNDS, on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
+    """Tune one problem on the current GPU and pick the winner: `search`, then the best
+    FINALISTS of the study and the default re-timed fresh, interleaved over `rounds` rounds; the
+    lowest median wins. `on_trial(done, total, best_us)` reports progress."""
     t0 = time.monotonic()
     target = info.target
     timer = Timer(info.l2_bytes)
     harness = Harness(op, problem, seed=None)  # fresh random inputs every run
     obj = _Objective(op, problem, target, harness, timer)
     study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
-                                storage=storage, seed=seed, batch=batch, on_trial=on_trial, warm=warm)
-    States = optuna.trial.TrialState
-    # Winner: re-measure the best few of this study (incl. earlier sessions) in this run.
-    finished = sorted((t for t in study.trials if t.state == States.COMPLETE), key=lambda t: t.value)
-    finalists: list[Measured] = []
-    for t in finished[:3]:
-        cfg = Config.of(t.params)
-        if op.validate(problem, cfg, target):
-            try:
-                finalists.append(obj.measure(cfg))
-            except TrialFailed as e:
-                obj.failures.append((cfg.key(), str(e)))
-    default_m = None
-    try:
-        default_m = obj.measure(default_cfg)
-        finalists.append(default_m)
-    except TrialFailed as e:
-        obj.failures.append((default_cfg.key(), str(e)))
-    if not finalists:
+                                storage=storage, seed=seed, sampler=sampler, ahead=ahead, on_trial=on_trial,
+                                warm=warm, device=info.name)
+    valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
+    ranked = final_round(obj, study, default_cfg, valid, rounds)
+    if not ranked:
         raise RuntimeError(f"{op.name} {problem.key()}: no candidate passed verification; "
                            f"failures: {obj.failures[:3]}")
-    best_m = min(finalists, key=lambda m: m.timing.median_us)
+    final = {m.config: m for m in ranked}
     copy = timer.copy_time(op.min_bytes(problem))
-    return TuneResult(op.name, problem, best_m, default_m, copy, op.min_bytes(problem),
+    return TuneResult(op.name, problem, ranked[0], final.get(default_cfg), copy, op.min_bytes(problem),
                       trials=len(obj.measured), pruned=obj.pruned,
                       failures=obj.failures, seconds=time.monotonic() - t0,
-                      warm=[obj.measured[c] for c in warm if c in obj.measured])
+                      warm=[obj.measured[c] for c in warm if c in obj.measured], finalists=ranked)
 
 
 def provenance(result: TuneResult) -> dict[str, Any]:
@@ -260,6 +554,7 @@ def db_entry(result: TuneResult, info: DeviceInfo) -> Any:
                  instance=result.best.instance, source_sha256=result.best.sha256,
                  time_us=round(result.best.timing.median_us, 3), gbps=round(result.gbps, 1),
                  default_time_us=round(result.default.timing.median_us, 3) if result.default else -1.0,
+                 spread=round(result.best.timing.spread, 4),
                  provenance=tuple(sorted(provenance(result).items())))
 
 

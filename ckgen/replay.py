@@ -1,0 +1,133 @@
+"""Tuning without a GPU: a recorded exhaustive sweep (bench/sweep.py output, bench/results/sweeps/)
+stands in for the device, so `tune.search` can be run and scored anywhere (tests, sampler
+comparisons: bench/replay_search.py).
+
+A sweep recorded before a knob joined the space lacks that knob: its configs are read with the
+space default's value for it (the only value they were measured with), and a replay searches
+only the recorded configs (`Sweep.covers`), never guessing times for the rest."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .bench import Timing
+from .ops import get_op
+from .ops.spec import Config, OpSpec, Problem, Target
+from .tune import AHEAD, Measured, TrialFailed, final_measured, search
+
+# Sweeps in the first format carry no op or arch: they are groupnorm_fwd runs on an H100.
+LEGACY_OP, LEGACY_ARCH = "groupnorm_fwd", "sm_90"
+
+
+@dataclass
+class Sweep:
+    path: Path
+    op: OpSpec
+    problem: Problem
+    target: Target
+    device: str
+    times: dict[Config, float]  # median us of every config measured
+    failed: dict[Config, str]  # configs that failed to compile or verify, with why
+    filled: dict[str, Any] = field(default_factory=dict)  # knobs the recording lacks -> value assumed
+    unrecorded: int = 0  # valid configs of today's space the sweep does not hold
+    num_sms: int = 132
+
+    @property
+    def best(self) -> float:
+        return min(self.times.values())
+
+    def covers(self, config: Config) -> bool:
+        return config in self.times or config in self.failed
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def load_sweep(path: Path | str) -> Sweep:
+    path = Path(path)
+    doc = json.loads(path.read_text())
+    op = get_op(doc.get("op", LEGACY_OP))
+    problem = op.problem_from_key(doc["problem"])
+    target = Target.named(doc.get("arch", LEGACY_ARCH))
+    default = op.space.default.as_dict()
+    filled: dict[str, Any] = {}
+
+    def full(cfg: dict[str, Any]) -> Config:
+        for k in default:
+            if k not in cfg:
+                filled[k] = default[k]
+        return Config.of({**{k: default[k] for k in default if k not in cfg}, **cfg})
+
+    times = {full(cfg): float(us) for us, _, cfg in doc["rows"]}
+    failed = {full(cfg): str(why) for cfg, why in doc.get("failed", [])}
+    valid = [c for c in op.space.enumerate() if op.validate(problem, c, target)]
+    unrecorded = sum(1 for c in valid if c not in times and c not in failed)
+    stray = [c for c in list(times) + list(failed) if not op.validate(problem, c, target)]
+    if stray:  # the space or validate changed since the recording: those configs are not searched
+        for c in stray:
+            times.pop(c, None)
+            failed.pop(c, None)
+    if not times:
+        raise ValueError(f"{path}: no recorded config is valid in today's space")
+    return Sweep(path, op, problem, target, doc.get("device", "NVIDIA H100 80GB HBM3"), times, failed,
+                 filled, unrecorded, int(doc.get("num_sms", 132)))
+
+
+class ReplayEvaluator:
+    """`tune.search`'s evaluator answering from recorded times; TrialFailed for recorded failures.
+    `noise` (relative, seeded) perturbs the final round's re-timings, for tests of the pick."""
+
+    def __init__(self, time_of: Callable[[Config], float | None], instance: Callable[[Config], str] = Config.key,
+                 noise: float = 0.0, seed: int = 0):
+        self.time_of, self.instance = time_of, instance
+        self.measured: dict[Config, Measured] = {}
+        self.failures: list[tuple[str, str]] = []
+        self.pruned = 0
+        self.calls: list[Config] = []  # measure() calls, in order
+        self.started: list[Config] = []  # start() calls, in order
+        self.noise, self.rng = noise, random.Random(seed)
+
+    def start(self, configs: list[Config]) -> None:
+        self.started += configs
+
+    def measure(self, config: Config) -> Measured:
+        self.calls.append(config)
+        t = self.time_of(config)
+        if t is None:
+            raise TrialFailed("wrong result: replayed failure")
+        m = Measured(config, self.instance(config), "replay", Timing(t, t, t, 1))
+        self.measured[config] = m
+        return m
+
+    def retime(self, configs: list[Config], rounds: int) -> tuple[dict[Config, Measured], dict[Config, str]]:
+        out, failed = {}, {}
+        for c in configs:
+            t = self.time_of(c)
+            if t is None:
+                failed[c] = "wrong result: replayed failure"
+                continue
+            ts = [t * (1.0 + self.rng.gauss(0.0, self.noise)) for _ in range(rounds)]
+            out[c] = final_measured(c, self.instance(c), "replay", ts)
+        return out, failed
+
+
+def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahead: int = AHEAD,
+           storage: Any = None) -> tuple[float, ReplayEvaluator]:
+    """One search on the recorded times: (best found / recorded best, the evaluator)."""
+    ev = ReplayEvaluator(sweep.times.get)
+    search(sweep.op, sweep.problem, sweep.target, sweep.num_sms, ev, trials=trials, timeout=None, storage=storage,
+           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers)
+    found = min((m.timing.median_us for m in ev.measured.values()), default=math.inf)
+    return found / sweep.best, ev
+
+
+def sweeps(folder: Path | str) -> list[Sweep]:
+    """Every complete sweep in `folder` (a partial one, "complete": false, is still being measured:
+    its best is not the exhaustive best)."""
+    return [load_sweep(p) for p in sorted(Path(folder).glob("sweep-*.json"))
+            if json.loads(p.read_text()).get("complete", True)]

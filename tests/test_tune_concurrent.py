@@ -1,0 +1,98 @@
+"""Concurrent tuners on one SQLite study storage (issue 16, finding 4), with replayed timings and
+real processes: the schema is created under a lock on a fresh file, tuners sharing a study never
+measure one config twice and leave no trial RUNNING, a dead tuner's RUNNING trial is failed after
+the grace period and its config measured again, storage errors have a clear message, and the
+study name carries the device."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import optuna
+import pytest
+
+from ckgen import tune
+from ckgen.replay import ReplayEvaluator
+from ckgen.sampler import settled
+from ckgen.tune import StudyStorageError, open_storage, search, study_name
+from test_tune_search import OP, PROBLEM, SM90, VALID, synthetic
+
+States = optuna.trial.TrialState
+TUNERS, TRIALS = 4, 8
+
+
+def _tuner(url, seed, barrier, results):
+    try:
+        barrier.wait(timeout=120)  # all start on the fresh file at once
+        ev = ReplayEvaluator(synthetic)
+        search(OP, PROBLEM, SM90, 132, ev, trials=TRIALS, timeout=None, storage=url, seed=seed, ahead=2)
+        results.put((seed, [c.key() for c in ev.calls], None))
+    except BaseException as e:  # reported to the test, which fails with it
+        results.put((seed, [], f"{e.__class__.__name__}: {e}"))
+
+
+def test_concurrent_tuners_share_one_fresh_sqlite_study(tmp_path):
+    url = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(TUNERS), ctx.Queue()
+    procs = [ctx.Process(target=_tuner, args=(url, seed, barrier, results)) for seed in range(TUNERS)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert all(err is None for _, _, err in got), got
+    assert all(p.exitcode == 0 for p in procs)
+    calls = [c for _, cs, _ in got for c in cs]
+    assert len(calls) == TUNERS * TRIALS and len(set(calls)) == len(calls)  # no config measured twice
+    study = optuna.load_study(study_name=study_name(OP, PROBLEM, SM90), storage=url)
+    states = [t.state for t in study.trials]
+    assert States.RUNNING not in states and States.WAITING not in states
+    complete = [t.params for t in study.trials if t.state == States.COMPLETE]
+    assert len(complete) == TUNERS * TRIALS
+    assert len({tuple(sorted(p.items())) for p in complete}) == len(complete)  # one trial per config
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_dead_tuners_running_trial_is_recovered(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "HEARTBEAT_S", 1)
+    monkeypatch.setattr(tune, "GRACE_S", 2)
+    url = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
+    few = sorted(VALID, key=lambda c: c.key())[:6]
+    keep = set(few)
+    search(OP, PROBLEM, SM90, 132, ReplayEvaluator(synthetic), trials=1, timeout=None, storage=url, seed=0,
+           restrict=keep.__contains__)
+    # A tuner that asked for a config, beat once, then died: its trial stays RUNNING.
+    storage = open_storage(url)
+    study = optuna.load_study(study_name=study_name(OP, PROBLEM, SM90), storage=storage)
+    taken = {tuple(sorted(t.params.items())) for t in study.trials if t.params}
+    lost = next(c for c in few if c.items not in taken)
+    study.enqueue_trial(lost.as_dict())
+    dead = study.ask()
+    for name, values in OP.space.params.items():
+        dead.suggest_categorical(name, list(values))
+    storage.record_heartbeat(dead._trial_id)
+    time.sleep(4)  # past the grace period (SQLite keeps whole seconds)
+    ev = ReplayEvaluator(synthetic)
+    study, _ = search(OP, PROBLEM, SM90, 132, ev, trials=10, timeout=None, storage=url, seed=1,
+                      restrict=keep.__contains__)
+    stale = next(t for t in study.trials if t.number == dead.number)
+    assert stale.state == States.FAIL and not settled(stale)
+    assert lost in ev.calls  # measured again by the next tuner
+    assert {t.state for t in study.trials if t.number != dead.number} <= {States.COMPLETE}
+    assert len(ev.calls) == 5  # the 6 configs less the one measured before
+
+
+def test_storage_errors_have_a_clear_message(tmp_path):
+    bad = tmp_path / "not-a-db.sqlite3"
+    bad.write_bytes(b"this is not a SQLite file" * 100)
+    with pytest.raises(StudyStorageError, match=r"optuna study storage sqlite:///.*not-a-db"):
+        search(OP, PROBLEM, SM90, 132, ReplayEvaluator(synthetic), trials=2, timeout=None,
+               storage=f"sqlite:///{bad}", seed=0)
+    assert issubclass(StudyStorageError, RuntimeError)  # `ckgen tune` reports it and goes on
+
+
+def test_study_name_is_keyed_by_device():
+    a = study_name(OP, PROBLEM, SM90, "NVIDIA H100 80GB HBM3")
+    b = study_name(OP, PROBLEM, SM90, "NVIDIA H800")
+    assert a != b and "NVIDIA H100 80GB HBM3" in a

@@ -1,0 +1,68 @@
+"""Search quality on recorded H100 timings: `tune.search` replays every committed exhaustive
+sweep (bench/results/sweeps/*.json) at 20 and 40 trials over 20 seeds each, with the shipped
+sampler and lookahead, and is scored by the best config found / the exhaustive best.
+
+The committed sweeps predate merge=global: they hold every merge=cluster config and none of the
+merge=global ones, so the replay searches only the recorded configs (`Sweep.covers`) and says so
+in the table. Target (issue 17): >= 90% of runs within 3% of the best at 40 trials, >= 70% at 20."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from ckgen.replay import replay, sweeps
+
+SWEEPS = Path(__file__).resolve().parents[1] / "bench" / "results" / "sweeps"
+SEEDS = range(20)
+WITHIN = 1.03
+TARGET = {40: 0.90, 20: 0.70}
+
+
+@pytest.fixture(scope="module")
+def results():
+    sws = sweeps(SWEEPS)
+    if not sws:
+        pytest.skip("no recorded sweep under bench/results/sweeps")
+    out = {(sw.name, trials): [replay(sw, trials, seed)[0] for seed in SEEDS] for sw in sws for trials in TARGET}
+    lines = ["", "replayed search (shipped sampler): best found / exhaustive best, 20 seeds per cell"]
+    for sw in sws:
+        fixed = ", ".join(f"{k}={v}" for k, v in sorted(sw.filled.items())) or "none"
+        lines.append(f"  {sw.name}: {len(sw.times)} recorded configs searched, {sw.unrecorded} valid configs of "
+                     f"today's space unrecorded and not searched (knobs fixed by the recording: {fixed})")
+    lines.append(f"  {'sweep':<28} {'trials':>6} {'within 3%':>10} {'mean off':>9} {'worst off':>10}")
+    for (name, trials), ratios in sorted(out.items()):
+        hits = sum(r <= WITHIN for r in ratios)
+        lines.append(f"  {name:<28} {trials:>6} {hits:>4}/{len(ratios):<5} {100 * (statistics.mean(ratios) - 1):>8.1f}% "
+                     f"{100 * (max(ratios) - 1):>9.1f}%")
+    for trials, want in sorted(TARGET.items()):
+        runs = [r for (_, t), rs in out.items() if t == trials for r in rs]
+        hits = sum(r <= WITHIN for r in runs)
+        lines.append(f"  summary {trials} trials: {hits}/{len(runs)} runs ({100 * hits / len(runs):.0f}%) within 3% "
+                     f"of the best (target {100 * want:.0f}%)")
+    print("\n".join(lines))
+    return out
+
+
+def _share(results, trials):
+    return {name: sum(r <= WITHIN for r in rs) / len(rs) for (name, t), rs in results.items() if t == trials}
+
+
+def test_replayed_search_at_40_trials_is_within_3pct_in_90pct_of_runs(results):
+    share = _share(results, 40)
+    assert all(v >= TARGET[40] for v in share.values()), share
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17's 20-trial target (>= 70% of runs within 3%) is not met "
+                   "by any sampler compared (bench/replay_search.py); strict: when it passes, make it a plain test")
+def test_replayed_search_at_20_trials_is_within_3pct_in_70pct_of_runs(results):
+    share = _share(results, 20)
+    assert all(v >= TARGET[20] for v in share.values()), share
+
+
+def test_replayed_search_at_20_trials_stays_near_the_best(results):
+    """What 20 trials do reach today (a floor against regressions, not the target): every run
+    within 17% of the exhaustive best."""
+    assert all(max(rs) <= 1.17 for (_, t), rs in results.items() if t == 20), \
+        {name: max(rs) for (name, t), rs in results.items() if t == 20}

@@ -36,7 +36,7 @@ def main() -> int:
     import ckgen
     from ckgen import db as dbmod
     from ckgen import settings
-    from ckgen.bench import Timer, gbps
+    from ckgen.bench import Timer, gbps, host_cells
     from ckgen.ops import get_op
     from ckgen.target import device_info
     from ckgen.tune import db_entry, tune_problem
@@ -150,11 +150,7 @@ def main() -> int:
         lines.append(f"| {r['problem']} | {r['min_MB']:.1f} | {r['copy_us']:.1f} | {r['ckgen_us']:.1f} | "
                      f"{r['ckgen_GBps']:.0f} | {r['ckgen_eff']:.2f} | {r['eager_us']:.1f} | {r['eager_eff']:.2f} | "
                      f"{comp} | {r['speedup_eager']:.2f}x | {spc} | "
-                     f"{r['ckgen_host_us']:.1f} / {r['eager_host_us']:.1f} / "
-                     f"{(format(r['compile_host_us'], '.1f') if r['compile_host_us'] else 'n/a')} | "
-                     f"{r['speedup_eager_host']:.2f}x | "
-                     f"{(format(r['speedup_compile_host'], '.2f') + 'x') if r['speedup_compile_host'] else 'n/a'} | "
-                     f"{r['instance']} ({r['source']}) |")
+                     + host_cells(r) + f"{r['instance']} ({r['source']}) |")
     geo_h = math.exp(sum(math.log(r["speedup_eager_host"]) for r in rows) / len(rows))
     lines += ["", f"Geomean speedup over PyTorch eager: {geo:.2f}x GPU time, {geo_h:.2f}x host-inclusive "
               "(back-to-back calls, no flush: what a model's loop sees)", ""]

@@ -40,7 +40,7 @@ def main() -> int:
     import ckgen
     from ckgen import db as dbmod
     from ckgen import settings
-    from ckgen.bench import Timer, gbps
+    from ckgen.bench import Timer, gbps, host_cells
     from ckgen.ops import get_op
     from ckgen.target import device_info
     from ckgen.tune import db_entry, tune_problem
@@ -165,11 +165,7 @@ def main() -> int:
         lines.append(f"| {r['op']} | {r['problem']} | {r['min_MB']:.1f} | {r['copy_us']:.1f} | {r['ckgen_us']:.1f} | "
                      f"{r['ckgen_GBps']:.0f} | {r['ckgen_eff']:.2f} | {r['eager_us']:.1f} | {cu} | "
                      f"{r['speedup_eager']:.2f}x | {sc} | "
-                     f"{r['ckgen_host_us']:.1f} / {r['eager_host_us']:.1f} / "
-                     f"{(format(r['compile_host_us'], '.1f') if r['compile_host_us'] else 'n/a')} | "
-                     f"{r['speedup_eager_host']:.2f}x | "
-                     f"{(format(r['speedup_compile_host'], '.2f') + 'x') if r['speedup_compile_host'] else 'n/a'} | "
-                     f"{r['max_abs_err_vs_torch']:.3g} | {r['instance']} ({r['source']}) |")
+                     + host_cells(r) + f"{r['max_abs_err_vs_torch']:.3g} | {r['instance']} ({r['source']}) |")
     geo_h = math.exp(sum(math.log(r["speedup_eager_host"]) for r in rows) / len(rows))
     lines += ["", f"Geomean speedup: {geo:.2f}x over PyTorch eager, {geo_c:.2f}x over torch.compile (GPU time); "
               f"{geo_h:.2f}x over eager host-inclusive (back-to-back calls, no flush)", ""]

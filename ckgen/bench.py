@@ -90,3 +90,11 @@ class Timer:
 
 def gbps(nbytes: int, us: float) -> float:
     return nbytes / (us * 1e-6) / 1e9 if us > 0 else 0.0
+
+
+def host_cells(r: dict) -> str:
+    """The host-inclusive cells of a benchmark row (ckgen / eager / compile us, the two speedups),
+    as the suite scripts print them; compile entries may be None (not run)."""
+    comp = f"{r['compile_host_us']:.1f}" if r.get("compile_host_us") else "n/a"
+    spc = f"{r['speedup_compile_host']:.2f}x" if r.get("speedup_compile_host") else "n/a"
+    return f"{r['ckgen_host_us']:.1f} / {r['eager_host_us']:.1f} / {comp} | {r['speedup_eager_host']:.2f}x | {spc} | "

@@ -15,7 +15,6 @@ call's arguments to a plan: `api.callkeys` caches signature -> plan."""
 from __future__ import annotations
 
 import logging
-import operator
 import struct
 import threading
 from dataclasses import dataclass

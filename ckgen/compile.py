@@ -20,7 +20,7 @@ from typing import Any
 
 from . import settings
 from .codegen import KernelSource
-from .ops.spec import Target
+from .types import Target
 
 NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
 

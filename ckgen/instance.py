@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from .codegen import KernelSource, render
-from .ops.spec import Config, OpSpec, Problem, Target
+from .ops.spec import OpSpec, Problem
+from .types import Config, Target
 
 
 class InvalidConfig(ValueError):

@@ -23,7 +23,8 @@ from . import settings
 from .codegen import KernelSource
 from .instance import render_instance
 from .ops import all_ops, get_op
-from .ops.spec import Config, OpSpec, Target
+from .ops.spec import OpSpec
+from .types import Config, Target
 
 
 @dataclass(frozen=True)

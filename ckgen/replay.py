@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from .bench import Timing
 from .ops import get_op
-from .ops.spec import Config, OpSpec, Problem, Target
+from .ops.spec import OpSpec, Problem
+from .types import Config, Target
 from .tune import AHEAD, Measured, TrialFailed, final_measured, search
 
 # Sweeps in the first format carry no op or arch: they are groupnorm_fwd runs on an H100.

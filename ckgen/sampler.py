@@ -25,7 +25,7 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from .ops.spec import Config
+from .types import Config
 
 STRATEGIES = ("gp", "tpe", "random", "optuna-gp")
 DEFAULT_STRATEGY = "gp"

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .ops.spec import Config, Support
+from .types import Config, Support
 
 
 def _same_kind(value: Any, allowed: Any) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .ops.spec import Target
+from .types import Target
 
 
 class NoGPUError(RuntimeError):

@@ -25,7 +25,8 @@ from . import settings
 from .bench import Timer, Timing, gbps
 from .compile import CompileError, compile_many, ensure_cubin
 from .instance import render_instance
-from .ops.spec import Config, OpSpec, Problem, Target
+from .ops.spec import OpSpec, Problem
+from .types import Config, Target
 from .target import DeviceInfo
 from .verify import Harness
 
@@ -569,7 +570,7 @@ class RetuneItem:
 def retune_plan(db: Any, arch: str, from_arch: str | None = None, ops: list[str] | None = None) -> list[RetuneItem]:
     """Every (op, problem) of the DB tuned on another arch and not yet on `arch`, with the winner
     of the nearest arch (same vendor first, then the closest arch number) as its warm start."""
-    from .ops.spec import Target
+    from .types import Target
 
     here = Target.named(arch)
 

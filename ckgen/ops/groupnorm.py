@@ -8,9 +8,9 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from ..space import load_space
+from ..types import DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, short_repr
 from .numeric import from_storage, round_to, to_storage
-from .spec import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, OpSpec, Problem, Support, Target, Tolerance,
-                   check_choice, check_int, short_repr)
+from .spec import OpSpec, Problem, check_choice, check_int
 
 ACTIVATIONS = ("none", "swish")
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from .groupnorm import GroupNormOp, GroupNormProblem, groupnorm_bwd_reference, groupnorm_fwd_reference
 from .numeric import from_storage, round_to, to_storage
-from .spec import DTYPES, Config, Launch, Support, Target, Tolerance
+from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
 _INT32_MAX = 2**31 - 1
 MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)

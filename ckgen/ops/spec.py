@@ -1,45 +1,22 @@
-"""Value types shared by every op: Support, Config, Target, Launch and the OpSpec contract.
+"""The OpSpec contract (and Problem) every op implements, plus the argument checks problems use.
+
+The value types (Support, Config, Target, Launch, Tolerance, DTYPES, LAYOUTS) live in
+ckgen.types, the bottom module; they are re-exported here for compatibility.
 
 Nothing here imports CuPy: specs, spaces, rendering and the DB run on machines with no GPU.
 """
 from __future__ import annotations
 
 import abc
-import re
-import reprlib
-from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-DTYPES: dict[str, dict[str, Any]] = {
-    # itemsize and the C storage type the kernels load (bf16 travels as uint16 bits)
-    "fp32": {"itemsize": 4, "storage": "float"},
-    "fp16": {"itemsize": 2, "storage": "unsigned short"},
-    "bf16": {"itemsize": 2, "storage": "unsigned short"},
-}
-LAYOUTS = ("nchw", "nhwc")
-# Arch names, whole: they name folders (`ckgen generate` writes generated/<arch>/), so nothing
-# else (a path separator, "..") may pass.
-_CUDA_ARCH = re.compile(r"sm_([0-9]+)a?")
-_HIP_ARCH = re.compile(r"gfx[0-9a-f]+")
+from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance,  # noqa: F401 - re-exported
+                     short_repr)
 
-
-INT32_MAX = 2**31 - 1  # every integer a template or a kernel argument holds is a 32-bit int
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxtuple = 2, 60, 60, 4, 4
-
-
-def short_repr(v: Any) -> str:
-    """A bounded repr of v, at most 80 characters: an error message never renders (or spends
-    time on) a whole large value."""
-    try:
-        text = _REPR.repr(v)
-    except Exception:  # noqa: BLE001 - a repr that fails still gets a name
-        text = f"<{type(v).__name__}>"
-    return text if len(text) <= 80 else text[:77] + "..."
+__all__ = ["DTYPES", "INT32_MAX", "LAYOUTS", "Config", "Launch", "OpSpec", "Problem", "Support", "Target", "Tolerance",
+           "check_choice", "check_flag", "check_int", "short_repr"]
 
 
 def check_int(name: str, v: Any, lo: int = 1, hi: int = INT32_MAX) -> int:
@@ -69,89 +46,6 @@ def check_choice(name: str, v: Any, choices: Any, shown: str | None = None) -> s
     if not isinstance(v, str) or v not in choices:
         raise ValueError(f"{name}: {short_repr(v)} is not one of {shown or list(choices)}")
     return v
-
-
-@dataclass(frozen=True)
-class Support:
-    """Whether a config can run a problem; `reason` says why not."""
-
-    ok: bool
-    reason: str = ""
-
-    @classmethod
-    def yes(cls) -> "Support":
-        return cls(True)
-
-    @classmethod
-    def no(cls, reason: str) -> "Support":
-        return cls(False, reason)
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-
-@dataclass(frozen=True)
-class Config:
-    """A point of a tuning space: sorted (name, value) pairs, hashable and printable."""
-
-    items: tuple[tuple[str, Any], ...]
-
-    @classmethod
-    def of(cls, values: Mapping[str, Any]) -> "Config":
-        return cls(tuple(sorted(values.items())))
-
-    def __getitem__(self, name: str) -> Any:
-        for k, v in self.items:
-            if k == name:
-                return v
-        raise KeyError(name)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.items)
-
-    def replace(self, **changes: Any) -> "Config":
-        d = self.as_dict()
-        d.update(changes)
-        return Config.of(d)
-
-    def key(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.items)
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a kernel is built for. CUDA/HIP differences are data here, not branches."""
-
-    vendor: str  # "cuda" | "hip"
-    arch: str  # "sm_90", "gfx942", ...
-    warp_size: int = 32
-    clusters: bool = False  # thread-block clusters with distributed shared memory (sm_90+)
-
-    @classmethod
-    def named(cls, arch: str) -> "Target":
-        """The target of an arch name: `sm_<digits>[a]` (NVIDIA) or `gfx<hex digits>` (AMD)."""
-        cuda = _CUDA_ARCH.fullmatch(arch) if isinstance(arch, str) else None
-        if cuda:
-            return cls("cuda", arch, 32, int(cuda.group(1)) >= 90)
-        if isinstance(arch, str) and _HIP_ARCH.fullmatch(arch):
-            # wave64 on CDNA (gfx9xx), wave32 on RDNA (gfx10xx and later)
-            return cls("hip", arch, 64 if arch.startswith("gfx9") else 32, False)
-        raise ValueError(f"target: unknown arch {short_repr(arch)}; use sm_<digits>[a] (NVIDIA, e.g. sm_90) or "
-                         "gfx<hex digits> (AMD, e.g. gfx942)")
-
-
-@dataclass(frozen=True)
-class Launch:
-    kernel: str  # the symbol to launch
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    shared_mem: int = 0
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    atol: float
-    rtol: float
 
 
 class Problem(abc.ABC):

@@ -47,3 +47,19 @@ def test_spec_reexports_the_value_types() -> None:
 
     for name in ("Config", "Support", "Target", "Launch", "Tolerance", "DTYPES", "LAYOUTS", "INT32_MAX"):
         assert getattr(spec, name) is getattr(types, name), name
+
+
+def test_pool_family_is_split_and_reexported() -> None:
+    """ops/pool/ is split where the seams are; `ckgen.ops.pool` still names everything it did."""
+    from ckgen.ops import get_op, pool
+    from ckgen.ops.pool import avg, base, max as maxmod, problem
+
+    assert pool.MaxPool2dFwd is maxmod.MaxPool2dFwd and pool.MaxPool2dBwd is maxmod.MaxPool2dBwd
+    assert pool.AvgPool2dFwd is avg.AvgPool2dFwd and pool.AvgPool2dBwd is avg.AvgPool2dBwd
+    assert pool.PoolProblem is problem.PoolProblem and pool.maxpool2d_reference is problem.maxpool2d_reference
+    for name in ("maxpool2d_fwd", "maxpool2d_bwd", "avgpool2d_fwd", "avgpool2d_bwd"):
+        assert isinstance(get_op(name), base._PoolOp)
+    for name in pool.__all__:
+        assert hasattr(pool, name), name
+    for mod in (problem, base, maxmod, avg):  # no module of the family holds it all again
+        assert len(Path(mod.__file__).read_text().splitlines()) < 450, mod.__name__

@@ -1,4 +1,4 @@
-"""The float64 pooling references (ckgen/ops/pool.py) against independent direct loops written
+"""The float64 pooling references (ckgen/ops/pool/problem.py) against independent direct loops written
 after PyTorch's CUDA kernels, on small shapes with every option: padding, stride, dilation,
 ceil_mode, count_include_pad, divisor_override, NaN, ties and all -inf windows. The backward
 references are checked against finite differences (avg) and a direct scatter loop (max)."""

@@ -1,0 +1,90 @@
+"""Average pooling: AvgPool2dFwd and AvgPool2dBwd (count_include_pad, divisor_override)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from ...types import DTYPES, Config, Tolerance
+from ..numeric import from_storage, to_storage
+from .base import _STORAGE_BITS, _PoolBwd, _PoolOp
+from .problem import AvgPoolProblem, PoolProblem, avgpool2d_bwd_reference, avgpool2d_reference, smooth_random
+
+# fp32 accumulation, then one rounding to the dtype (the reference is exact float64)
+_AVG_TOL = {"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(1e-4, 1e-3), "bf16": Tolerance(1e-3, 8e-3)}
+
+
+class AvgPool2dFwd(_PoolOp):
+    name: ClassVar[str] = "avgpool2d_fwd"
+    template: ClassVar[str] = "avgpool2d_fwd.cu.j2"
+    problem_cls: ClassVar[type] = AvgPoolProblem
+    pool: ClassVar[str] = "avg"
+    backward: ClassVar[bool] = False
+
+    def _extra_defaults(self, case: Mapping[str, Any]) -> dict[str, Any]:
+        return {"count_include_pad": case.get("count_include_pad", True),
+                "divisor_override": case.get("divisor_override", 0)}
+
+    def _extra_cli(self, args: Any) -> dict[str, Any]:
+        cip = getattr(args, "count_include_pad", None)
+        return {"count_include_pad": True if cip is None else bool(cip),
+                "divisor_override": getattr(args, "divisor_override", None) or 0}
+
+    def _name_flags(self, p: AvgPoolProblem) -> str:
+        return ("" if p.count_include_pad else "_nopad") + (f"_div{p.divisor_override}" if p.divisor_override else "")
+
+    def _context_flags(self, p: AvgPoolProblem) -> dict[str, Any]:
+        return {"count_include_pad": p.count_include_pad, "divisor_override": p.divisor_override}
+
+    def _regs_needed(self, p: AvgPoolProblem, config: Config) -> int:
+        th, tw = self.tile(config)
+        vec = self.vec_elems(p, config)
+        row = self._row_regs(p, config)
+        return th * tw * vec + row + 24
+
+    def min_bytes(self, p: AvgPoolProblem) -> int:
+        item = DTYPES[p.dtype]["itemsize"]
+        return (p.numel + p.out_numel) * item
+
+    def make_inputs(self, p: PoolProblem, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {"x": smooth_random(p, rng)}
+
+    def reference(self, p: AvgPoolProblem, inputs: Mapping[str, np.ndarray], eps: float = 0.0) -> dict[str, np.ndarray]:
+        return {"y": avgpool2d_reference(p, inputs["x"])}
+
+    def tolerance(self, dtype: str, output: str) -> Tolerance:
+        return _AVG_TOL[dtype]
+
+    def output_buffers(self, p: AvgPoolProblem) -> dict[str, tuple[int, Any]]:
+        return {"y": (p.out_numel, _STORAGE_BITS[p.dtype])}
+
+    def unpack_outputs(self, p: AvgPoolProblem, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"y": self._logical(p, from_storage(raw["y"], p.dtype), p.OH, p.OW)}
+
+
+class AvgPool2dBwd(_PoolBwd):
+    name: ClassVar[str] = "avgpool2d_bwd"
+    template: ClassVar[str] = "avgpool2d_bwd.cu.j2"
+    problem_cls: ClassVar[type] = AvgPoolProblem
+    pool: ClassVar[str] = "avg"
+
+    _extra_defaults = AvgPool2dFwd._extra_defaults
+    _extra_cli = AvgPool2dFwd._extra_cli
+    _name_flags = AvgPool2dFwd._name_flags
+    _context_flags = AvgPool2dFwd._context_flags
+
+    def min_bytes(self, p: AvgPoolProblem) -> int:
+        return (p.out_numel + p.numel) * DTYPES[p.dtype]["itemsize"]
+
+    def make_inputs(self, p: AvgPoolProblem, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        dy = smooth_random(p, rng, (p.N, p.C, p.OH, p.OW))
+        return {"x": smooth_random(p, rng), "dy": dy}
+
+    def reference(self, p: AvgPoolProblem, inputs: Mapping[str, np.ndarray], eps: float = 0.0) -> dict[str, np.ndarray]:
+        return {"dx": avgpool2d_bwd_reference(p, inputs["dy"])}
+
+    def tolerance(self, dtype: str, output: str) -> Tolerance:
+        return _AVG_TOL[dtype]
+
+    def pack_inputs(self, p: AvgPoolProblem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"dy": to_storage(self._plane_major(p, inputs["dy"]), p.dtype)}

@@ -1,0 +1,116 @@
+"""Max pooling: MaxPool2dFwd (optional int64 indices) and MaxPool2dBwd (stored indices or the
+argmax recomputed from x)."""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import numpy as np
+
+from ...types import DTYPES, Config, Tolerance
+from ..numeric import from_storage, round_to, to_storage
+from .base import _STORAGE_BITS, _PoolBwd, _PoolOp
+from .problem import MaxPoolBwdProblem, MaxPoolFwdProblem, PoolProblem, maxpool2d_bwd_reference, maxpool2d_reference, tie_heavy
+
+# max pool backward: a sum of the few dy of overlapping windows in fp32, rounded once
+_MAXBWD_TOL = {"fp32": Tolerance(1e-6, 2e-6), "fp16": Tolerance(1e-5, 1e-3), "bf16": Tolerance(1e-5, 8e-3)}
+
+
+class MaxPool2dFwd(_PoolOp):
+    name: ClassVar[str] = "maxpool2d_fwd"
+    template: ClassVar[str] = "maxpool2d_fwd.cu.j2"
+    problem_cls: ClassVar[type] = MaxPoolFwdProblem
+    pool: ClassVar[str] = "max"
+    backward: ClassVar[bool] = False
+
+    def _extra_defaults(self, case: Mapping[str, Any]) -> dict[str, Any]:
+        return {"return_indices": case.get("return_indices", False)}
+
+    def _extra_cli(self, args: Any) -> dict[str, Any]:
+        return {"return_indices": bool(getattr(args, "return_indices", False))}
+
+    def _name_flags(self, p: MaxPoolFwdProblem) -> str:
+        return "_idx" if p.return_indices else ""
+
+    def _context_flags(self, p: MaxPoolFwdProblem) -> dict[str, Any]:
+        return {"return_indices": p.return_indices}
+
+    def _regs_needed(self, p: MaxPoolFwdProblem, config: Config) -> int:
+        th, tw = self.tile(config)
+        vec = self.vec_elems(p, config)
+        row = self._row_regs(p, config)
+        return th * tw * vec * (2 if p.return_indices else 1) + row + 24
+
+    def min_bytes(self, p: MaxPoolFwdProblem) -> int:
+        item = DTYPES[p.dtype]["itemsize"]
+        return p.numel * item + p.out_numel * (item + (8 if p.return_indices else 0))
+
+    def make_inputs(self, p: PoolProblem, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {"x": tie_heavy(p, rng)}
+
+    def reference(self, p: MaxPoolFwdProblem, inputs: Mapping[str, np.ndarray], eps: float = 0.0) -> dict[str, np.ndarray]:
+        y, idx = maxpool2d_reference(p, inputs["x"])
+        return {"y": y, "indices": idx} if p.return_indices else {"y": y}
+
+    def tolerance(self, dtype: str, output: str) -> Tolerance:
+        return Tolerance(0.0, 0.0)  # max pooling selects; it never rounds
+
+    def output_buffers(self, p: MaxPoolFwdProblem) -> dict[str, tuple[int, Any]]:
+        out = {"y": (p.out_numel, _STORAGE_BITS[p.dtype])}
+        if p.return_indices:
+            out["indices"] = (p.out_numel, np.int64)
+        return out
+
+    def unpack_outputs(self, p: MaxPoolFwdProblem, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {"y": self._logical(p, from_storage(raw["y"], p.dtype), p.OH, p.OW)}
+        if "indices" in raw:
+            out["indices"] = self._logical(p, raw["indices"], p.OH, p.OW)
+        return out
+
+
+class MaxPool2dBwd(_PoolBwd):
+    name: ClassVar[str] = "maxpool2d_bwd"
+    template: ClassVar[str] = "maxpool2d_bwd.cu.j2"
+    problem_cls: ClassVar[type] = MaxPoolBwdProblem
+    pool: ClassVar[str] = "max"
+
+    def _extra_defaults(self, case: Mapping[str, Any]) -> dict[str, Any]:
+        return {"indices": case.get("indices", "stored")}
+
+    def _extra_cli(self, args: Any) -> dict[str, Any]:
+        return {"indices": getattr(args, "indices", None) or "stored"}
+
+    def _name_flags(self, p: MaxPoolBwdProblem) -> str:
+        return "_idx" if p.indices == "stored" else "_recompute"
+
+    def _context_flags(self, p: MaxPoolBwdProblem) -> dict[str, Any]:
+        return {"indices": p.indices}
+
+    def min_bytes(self, p: MaxPoolBwdProblem) -> int:
+        item = DTYPES[p.dtype]["itemsize"]
+        if p.indices == "stored":
+            return p.out_numel * (item + 8) + p.numel * item
+        return p.out_numel * item + 2 * p.numel * item  # dy + x (re-read for the argmax) + dx
+
+    def make_inputs(self, p: MaxPoolBwdProblem, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        x = tie_heavy(p, rng)
+        dy = round_to(rng.standard_normal((p.N, p.C, p.OH, p.OW)), p.dtype)
+        dy[dy == 0] = 0.5
+        out = {"x": x, "dy": dy}
+        if p.indices == "stored":
+            out["indices"] = maxpool2d_reference(p, x)[1]
+        return out
+
+    def reference(self, p: MaxPoolBwdProblem, inputs: Mapping[str, np.ndarray], eps: float = 0.0) -> dict[str, np.ndarray]:
+        idx = inputs["indices"] if p.indices == "stored" else maxpool2d_reference(p, inputs["x"])[1]
+        return {"dx": maxpool2d_bwd_reference(p, inputs["dy"], idx)}
+
+    def tolerance(self, dtype: str, output: str) -> Tolerance:
+        return _MAXBWD_TOL[dtype]
+
+    def pack_inputs(self, p: MaxPoolBwdProblem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = {"dy": to_storage(self._plane_major(p, inputs["dy"]), p.dtype)}
+        if p.indices == "stored":
+            out["indices"] = self._plane_major(p, np.asarray(inputs["indices"], dtype=np.int64))
+        else:
+            out["x"] = to_storage(self._plane_major(p, inputs["x"]), p.dtype)
+        return out

@@ -5,12 +5,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 import jinja2
 
-TEMPLATE_DIR = resources.files("ckgen") / "templates"
+from .resources import templates_dir
+
+TEMPLATE_DIR = templates_dir()  # templates/ at the repo root; ckgen/templates in a wheel
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def environment() -> jinja2.Environment:
 def templates_digest() -> str:
     """sha256 over every template file: a study or cache keyed on it never mixes template versions."""
     h = hashlib.sha256()
-    for path in sorted(TEMPLATE_DIR.rglob("*.j2")) if hasattr(TEMPLATE_DIR, "rglob") else []:
+    for path in sorted(TEMPLATE_DIR.rglob("*.j2")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()

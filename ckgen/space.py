@@ -1,15 +1,15 @@
-"""Tuning spaces: read ckgen/tuning_spaces/<op>.yaml, enumerate, sample, check constraints."""
+"""Tuning spaces: read tuning_spaces/<op>.yaml (ckgen.resources finds the folder), enumerate, sample, check constraints."""
 from __future__ import annotations
 
 import itertools
 import numbers
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 from typing import Any, Callable
 
 import yaml
 
+from .resources import tuning_spaces_dir
 from .types import Config, Support
 
 
@@ -118,7 +118,7 @@ def _parse(doc: dict[str, Any]) -> Space:
 
 @lru_cache(maxsize=None)
 def load_space(op: str) -> Space:
-    path = resources.files("ckgen") / "tuning_spaces" / f"{op}.yaml"
+    path = tuning_spaces_dir() / f"{op}.yaml"
     if not path.is_file():
         raise ValueError(f"op: no tuning space for {op!r} (looked for {path})")
     return _parse(yaml.safe_load(path.read_text()))

@@ -35,7 +35,7 @@ def test_types_is_the_bottom_module() -> None:
     assert ckgen_imports(PKG / "types.py") == set()
 
 
-@pytest.mark.parametrize("module", ["space.py", "codegen.py", "settings.py"])
+@pytest.mark.parametrize("module", ["space.py", "codegen.py", "settings.py", "resources.py"])
 def test_lower_layers_do_not_import_ops(module: str) -> None:
     imports = ckgen_imports(PKG / module)
     assert not any(m == "ckgen.ops" or m.startswith("ckgen.ops.") for m in imports), imports
@@ -63,3 +63,82 @@ def test_pool_family_is_split_and_reexported() -> None:
         assert hasattr(pool, name), name
     for mod in (problem, base, maxmod, avg):  # no module of the family holds it all again
         assert len(Path(mod.__file__).read_text().splitlines()) < 450, mod.__name__
+
+
+# ------------------------------------------------------------------ data folders and packaging
+
+
+def test_data_folders_live_at_the_repo_root() -> None:
+    from ckgen.resources import templates_dir, tuning_spaces_dir
+
+    assert not (PKG / "templates").exists() and not (PKG / "tuning_spaces").exists()
+    assert templates_dir() == REPO / "templates" and tuning_spaces_dir() == REPO / "tuning_spaces"
+    assert (REPO / "templates" / "common" / "prelude.cuh.j2").is_file()
+    assert not list(PKG.glob("data/*.lock")), "lock files are not committed (.gitignore has *.lock)"
+
+
+def test_data_dir_prefers_the_packaged_folder(tmp_path: Path, monkeypatch) -> None:
+    """In a wheel the folders sit inside the package; that copy wins over anything beside it."""
+    from importlib import resources
+
+    from ckgen import resources as res
+
+    pkg = tmp_path / "ckgen"
+    (pkg / "templates").mkdir(parents=True)
+    monkeypatch.setattr(resources, "files", lambda name: pkg)
+    res.data_dir.cache_clear()
+    try:
+        assert res.data_dir("templates") == pkg / "templates"
+        assert res.data_dir("tuning_spaces") == REPO / "tuning_spaces"  # not packaged: the checkout's
+        with pytest.raises(ValueError, match="not one of"):
+            res.data_dir("../etc")
+    finally:
+        res.data_dir.cache_clear()
+
+
+def test_pyproject_lists_every_package() -> None:
+    """The mapped data folders rule out packages.find: the explicit list must name every package."""
+    tomllib = pytest.importorskip("tomllib")
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.relative_to(REPO).parts) for p in PKG.rglob("*") if (p / "__init__.py").is_file()} | {"ckgen"}
+    found |= {"ckgen.data", "ckgen.templates", "ckgen.templates.common", "ckgen.tuning_spaces"}
+    assert set(cfg["packages"]) == found
+    assert cfg["package-dir"] == {"ckgen.templates": "templates", "ckgen.tuning_spaces": "tuning_spaces"}
+    subdirs = {p.name for p in (REPO / "templates").iterdir() if p.is_dir()}
+    assert subdirs == {"common"}, "a new templates/ subfolder needs its own entry in packages and package-data"
+
+
+def test_sdist_and_its_wheel_carry_the_data(tmp_path: Path) -> None:
+    """The sdist holds templates/ and tuning_spaces/; the wheel built from it maps them into the
+    package (CI's tools/package-check also installs that wheel into a fresh venv and runs it)."""
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+    import zipfile
+
+    pytest.importorskip("setuptools.build_meta")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("ckgen", "templates", "tuning_spaces"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.lock"))
+    code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=src, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sdist = tmp_path / "dist" / r.stdout.strip().splitlines()[-1]
+    names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+    for f in ("templates/groupnorm_fwd.cu.j2", "templates/common/prelude.cuh.j2", "tuning_spaces/avgpool2d_bwd.yaml",
+              "ckgen/data/instances.yaml", "ckgen/resources.py"):
+        assert f in names, f
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path / "wheel"), str(sdist)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (whl,) = (tmp_path / "wheel").glob("ckgen-*.whl")
+    inside = set(zipfile.ZipFile(whl).namelist())
+    want = {f"ckgen/templates/{p.relative_to(REPO / 'templates')}" for p in (REPO / "templates").rglob("*.j2")}
+    want |= {f"ckgen/tuning_spaces/{p.name}" for p in (REPO / "tuning_spaces").glob("*.yaml")}
+    want |= {"ckgen/data/instances.yaml", "ckgen/ops/pool/max.py", "ckgen/types.py"}
+    assert want <= inside, sorted(want - inside)
+    assert not any(n.startswith(("templates/", "tuning_spaces/")) for n in inside)

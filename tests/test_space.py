@@ -1,14 +1,14 @@
-"""CPU tests of tuning spaces (ckgen.space) against ckgen/tuning_spaces/groupnorm_fwd.yaml."""
+"""CPU tests of tuning spaces (ckgen.space) against tuning_spaces/groupnorm_fwd.yaml."""
 from __future__ import annotations
 
 import copy
 import itertools
-from importlib import resources
 
 import pytest
 import yaml
 
 from ckgen.ops.spec import Config
+from ckgen.resources import tuning_spaces_dir
 from ckgen.space import Space, _parse, load_space
 
 OP = "groupnorm_fwd"
@@ -21,7 +21,7 @@ def space() -> Space:
 
 @pytest.fixture(scope="module")
 def doc() -> dict:
-    text = (resources.files("ckgen") / "tuning_spaces" / f"{OP}.yaml").read_text()
+    text = (tuning_spaces_dir() / f"{OP}.yaml").read_text()
     return yaml.safe_load(text)
 
 

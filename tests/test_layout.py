@@ -71,8 +71,12 @@ def test_pool_family_is_split_and_reexported() -> None:
 def test_data_folders_live_at_the_repo_root() -> None:
     from ckgen.resources import templates_dir, tuning_spaces_dir
 
+    import ckgen
+
     assert not (PKG / "templates").exists() and not (PKG / "tuning_spaces").exists()
-    assert templates_dir() == REPO / "templates" and tuning_spaces_dir() == REPO / "tuning_spaces"
+    # the checkout's folders, unless this run imports an installed ckgen (`pytest` after `pip install .`)
+    root = REPO if Path(ckgen.__file__).resolve().parent == PKG else Path(ckgen.__file__).resolve().parent
+    assert templates_dir() == root / "templates" and tuning_spaces_dir() == root / "tuning_spaces"
     assert (REPO / "templates" / "common" / "prelude.cuh.j2").is_file()
     assert not list(PKG.glob("data/*.lock")), "lock files are not committed (.gitignore has *.lock)"
 

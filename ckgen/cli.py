@@ -1,17 +1,67 @@
-"""`ckgen tune | retune | generate | bench | list | db show | db export`."""
+"""`ckgen tune | retune | generate | bench | list | db show | db export | db where`.
+
+Every option is checked before anything runs (and before the GPU check): a bad one ends the
+command with one line naming it, exit code 2, never a traceback. Tables print as `--format
+table|tsv|json` (ckgen.output): a terminal gets a table whose identifiers fold rather than being
+cut, a pipe gets tab-separated text. `--db` names the user DB everywhere: it is layered over the
+shipped DB by every command, as the dispatcher layers them."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
-from rich.table import Table
+
+from . import __version__
+from .output import FORMATS, Col, Sheet, emit, resolve
 
 console = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
 SAMPLERS = ("gp", "tpe", "random")  # ckgen.sampler.STRATEGIES less optuna-gp (needs torch)
+
+
+class UsageError(Exception):
+    """A user error: printed as one line `<command>: <message>`, exit code 2."""
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+# ------------------------------------------------------------------ option types (argparse)
+
+
+def _int_at_least(lo: int, what: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+
+    parse.__name__ = what
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_count = _int_at_least(0, "0 or more")
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not v > 0 or math.isnan(v):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return v
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -21,27 +71,143 @@ def _csv_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+# ------------------------------------------------------------------ shared checks
+
+
+def _user_db(args: argparse.Namespace) -> Path:
+    """The user DB path (--db, else $CKGEN_DB, else the cache dir's), checked: a folder, or a
+    path under a file, is a usage error naming where the path came from."""
+    from . import settings
+
+    if getattr(args, "db", None):
+        path, origin = Path(args.db), "--db"
+    elif os.environ.get(settings.ENV_DB):
+        path, origin = Path(os.environ[settings.ENV_DB]), f"${settings.ENV_DB}"
+    else:
+        path, origin = settings.user_db_path(), "the user DB"
+    if path.is_dir():
+        raise UsageError(f"{origin}: {path} is a directory; name the DB file, e.g. {path / 'instances.yaml'}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UsageError(f"{origin}: {path} lies under {parent}, which is a file, not a directory")
+    return path
+
+
+def _layers(args: argparse.Namespace) -> tuple[Path, Any, Any, Any]:
+    """(user DB path, user DB, shipped DB, the layered view) for the CLI: strict (a corrupt file
+    is a DBError, reported as one line)."""
+    from . import db as dbmod
+
+    path = _user_db(args)
+    user = dbmod.InstanceDB.load(path)
+    shipped = dbmod.InstanceDB.load(dbmod.shipped_db_path())
+    return path, user, shipped, dbmod.InstanceDB.layered(user, shipped)
+
+
+def _ops_option(text: str | None) -> list[str] | None:
+    from .ops import all_ops
+
+    if not text:
+        return None
+    ops = [o.strip() for o in text.split(",") if o.strip()]
+    known = [o.name for o in all_ops()]
+    bad = [o for o in ops if o not in known]
+    if bad or not ops:
+        raise UsageError(f"--ops: unknown {', '.join(bad) or repr(text)}; choose from {', '.join(known)}")
+    return ops
+
+
+def _info(fmt: str) -> Console:
+    """Where progress and notes go: stdout beside a table, stderr when stdout carries data."""
+    return console if fmt == "table" else err
+
+
+def _no_gpu(why: str) -> UsageError:
+    return UsageError(f"no usable GPU ({why})")
+
+
+# ------------------------------------------------------------------ tune
+
+
+# the problem options of `ckgen tune` (argparse dest -> flag); an op takes those in its tune_options
+PROBLEM_FLAGS = {
+    "groups": "--groups", "activation": "--activation", "kernel": "--kernel", "stride": "--stride",
+    "padding": "--padding", "dilation": "--dilation", "ceil_mode": "--ceil-mode",
+    "count_include_pad": "--count-include-pad", "divisor_override": "--divisor-override",
+    "return_indices": "--return-indices", "indices": "--indices",
+}
+# problem fields named by the ops' ValueErrors -> the option that set them
+_FIELD_FLAGS = {
+    "N": "--shape", "C": "--shape", "H": "--shape", "W": "--shape", "H*W": "--shape", "G": "--groups",
+    "groups": "--groups", "kernel_size": "--kernel", "kernel": "--kernel", "stride": "--stride",
+    "padding": "--padding", "dilation": "--dilation", "divisor_override": "--divisor-override",
+    "dtype": "--dtype", "layout": "--layout", "activation": "--activation", "indices": "--indices",
+}
+
+
+def _check_problem_options(op: Any, args: argparse.Namespace) -> None:
+    from .ops import all_ops
+
+    for dest, flag in PROBLEM_FLAGS.items():
+        if getattr(args, dest, None) is None:
+            continue
+        if dest not in op.tune_options:
+            takers = [o.name for o in all_ops() if dest in o.tune_options]
+            raise UsageError(f"{flag}: {op.name} takes no {flag} (it is an option of {', '.join(takers)})")
+        if not args.shape and dest != "activation":
+            raise UsageError(f"{flag}: needs --shape (without --shape, tune runs the default problems of {op.name})")
+
+
 def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
-    if args.shape:
-        return op.problems_from_cli(args)
-    acts = [args.activation] if getattr(args, "activation", None) else None
-    return op.default_problems(args.dtype, args.layout, acts)
+    try:
+        if args.shape:
+            return op.problems_from_cli(args)
+        acts = [args.activation] if getattr(args, "activation", None) else None
+        return op.default_problems(args.dtype, args.layout, acts)
+    except ValueError as e:
+        text = str(e)
+        name, sep, rest = text.partition(": ")
+        if sep and not name.startswith("--"):
+            flag = _FIELD_FLAGS.get(name)
+            if flag:
+                text = f"{flag}: {rest}" if flag[2:].replace("-", "_") == name else f"{flag} ({name}): {rest}"
+        raise UsageError(text) from None
+
+
+def _check_storage(url: str | None) -> None:
+    if url is None:
+        return
+    from .tune import storage_problem
+
+    why = storage_problem(url)
+    if why:
+        raise UsageError(f"--storage: {why}")
+
+
+def _result_sheet(title: str, extra_cols: Sequence[Col] = ()) -> Sheet:
+    cols = (*extra_cols,
+            Col("problem", ident=True, wide=True), Col("instance", "best instance", ident=True, wide=True),
+            Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
+            Col("spread", "spread", lambda v: f"{100 * v:.0f}%", number=True),
+            Col("gbps", "GB/s", lambda v: f"{v:.0f}", number=True),
+            Col("efficiency", "copy-eq eff", lambda v: f"{v:.2f}", number=True),
+            Col("speedup_vs_default", "vs default", lambda v: "-" if math.isnan(v) else f"{v:.2f}x", number=True),
+            Col("failed_trials", "failed", number=True))
+    return Sheet("results", title, cols)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .ops import get_op
     from .target import gpu_status
 
-    try:
-        op = get_op(args.op)
-        problems = _problems(op, args)
-    except ValueError as e:
-        err.print(f"ckgen tune: {e}", markup=False)
-        return 2
+    op = get_op(args.op)  # argparse checked the name
+    _check_problem_options(op, args)
+    problems = _problems(op, args)
+    db_path = _user_db(args)
+    _check_storage(args.storage)
     why = gpu_status()
     if why:
-        err.print(f"ckgen tune: no usable GPU: {why}", markup=False)
-        return 2
+        raise _no_gpu(why)
     import time
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -49,23 +215,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import db as dbmod
     from . import settings
     from .target import device_info
-    from .tune import db_entry, tune_problem
+    from .tune import StudyStorageError, db_entry, tune_problem
 
+    fmt = resolve(args.format, console)
+    info_out = _info(fmt)
     info = device_info(None)
-    db_path = Path(args.db) if args.db else settings.user_db_path()
     storage = args.storage or settings.study_storage_url()
-    console.print(f"tuning {len(problems)} problem(s) of {op.name} on {info.name} ({info.target.arch}); "
-                  f"DB {db_path}; study storage {storage}")
-    table = Table(title=f"{op.name} on {info.name}")
-    for col in ("problem", "best instance", "us", "spread", "GB/s", "copy-eq eff", "vs default", "failed"):
-        table.add_column(col)
+    info_out.print(f"tuning {plural(len(problems), 'problem')} of {op.name} on {info.name} ({info.target.arch}); "
+                   f"DB {db_path}; study storage {storage}", markup=False)
+    sheet = _result_sheet(f"{op.name} on {info.name}")
     start, results = time.monotonic(), []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=console) as bar:
+                  TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
         for p in problems:
             left = None if args.total_timeout is None else args.total_timeout - (time.monotonic() - start)
             if left is not None and left <= 0:
-                console.print("[yellow]total time budget spent; remaining problems not tuned[/]")
+                info_out.print("[yellow]total time budget spent; remaining problems not tuned[/]")
                 break
             timeout = min(x for x in (args.timeout, left) if x is not None) if (args.timeout or left) else None
             task = bar.add_task(p.key(), total=args.trials, best="-")
@@ -76,6 +241,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             try:
                 r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
                                  seed=args.seed, sampler=args.sampler, on_trial=progress)
+            except StudyStorageError as e:  # the same for every problem: stop here
+                raise UsageError(f"--storage: {e}") from None
             except RuntimeError as e:
                 err.print(f"{p.key()}: {e}", markup=False)
                 continue
@@ -85,148 +252,218 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 err.print(f"{p.key()}: {e}", markup=False)
                 continue
             results.append(r)
-            table.add_row(p.key(), r.best.instance, f"{r.best.timing.median_us:.1f}",
-                          f"{100 * r.best.timing.spread:.0f}%", f"{r.gbps:.0f}", f"{r.efficiency:.2f}",
-                          f"{r.speedup_vs_default:.2f}x", str(len(r.failures)))
-    console.print(table)
+            sheet.add(p.key(), r.best.instance, r.best.timing.median_us, r.best.timing.spread, r.gbps,
+                      r.efficiency, r.speedup_vs_default, len(r.failures))
+    emit(console, fmt, [sheet], {"op": op.name, "device": info.name, "arch": info.target.arch, "db": str(db_path)})
     for r in results:
         for cfg, why in r.failures[:5]:
-            console.print(f"[yellow]failed[/] {r.problem.key()} {cfg}: {why}")
-    console.print(f"wrote {len(results)} entr{'y' if len(results) == 1 else 'ies'} to {db_path}")
+            info_out.print(f"[yellow]failed[/] {r.problem.key()} {cfg}: {why}", highlight=False)
+    info_out.print(f"wrote {plural(len(results), 'entry', 'entries')} to {db_path}", markup=False)
     return 0 if len(results) == len(problems) else 1
 
 
-def _load_db(args: argparse.Namespace) -> Any:
-    from . import db as dbmod
-    from . import settings
+# ------------------------------------------------------------------ list, db show / export / where
 
-    return dbmod.load_layered(Path(args.db) if args.db else settings.user_db_path(), strict=True)
+
+def _entries_sheet(user: Any, layered: Any, op: str | None = None) -> Sheet:
+    entries = layered.select(op)
+    sheet = Sheet("entries", f"instance DB ({plural(len(entries), 'entry', 'entries')})", (
+        Col("op", ident=True), Col("arch", ident=True), Col("device"), Col("problem", ident=True, wide=True),
+        Col("instance", ident=True, wide=True), Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
+        Col("gbps", "GB/s", lambda v: f"{v:.0f}", number=True), Col("from", ident=True)))
+    for e in entries:
+        sheet.add(e.op, e.arch, e.device, e.problem, e.instance, e.time_us, e.gbps,
+                  "user" if user.lookup(*e.ident) is e else "shipped")
+    return sheet
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     from .ops import all_ops
 
-    t = Table(title="ops")
-    for col in ("op", "template", "tunables", "default problems"):
-        t.add_column(col)
+    _, user, _, layered = _layers(args)
+    ops = Sheet("ops", "ops", (Col("op", ident=True), Col("template", ident=True),
+                               Col("tunables", fmt=", ".join), Col("default_problems", "default problems", number=True)))
     for op in all_ops():
-        sp = op.space
-        n = len(sp.default_problems.get("shapes", []))
-        t.add_row(op.name, op.template, ", ".join(sp.params), str(n))
-    console.print(t)
-    return cmd_db_show(args)
+        ops.add(op.name, op.template, list(op.space.params), len(op.default_problems()))
+    emit(console, resolve(args.format, console), [ops, _entries_sheet(user, layered)])
+    return 0
 
 
 def cmd_db_show(args: argparse.Namespace) -> int:
-    from . import db as dbmod
+    from .ops import all_ops
 
-    try:
-        db = _load_db(args)
-    except dbmod.DBError as e:
-        err.print(f"ckgen: {e}", markup=False)
-        return 2
-    t = Table(title=f"instance DB ({len(db.entries)} entries)")
-    for col in ("op", "arch", "device", "problem", "instance", "us", "GB/s"):
-        t.add_column(col)
-    for e in db.select(getattr(args, "op", None)):
-        t.add_row(e.op, e.arch, e.device, e.problem, e.instance, f"{e.time_us:.1f}", f"{e.gbps:.0f}")
-    console.print(t)
+    op = args.op
+    known = [o.name for o in all_ops()]
+    if op is not None and op not in known:
+        raise UsageError(f"--op: unknown {op!r}; choose from {', '.join(known)}")
+    _, user, _, layered = _layers(args)
+    emit(console, resolve(args.format, console), [_entries_sheet(user, layered, op)])
     return 0
 
 
 def cmd_db_export(args: argparse.Namespace) -> int:
     from . import db as dbmod
 
-    try:
-        dbmod.export_csv(_load_db(args), sys.stdout)
-    except dbmod.DBError as e:
-        err.print(f"ckgen: {e}", markup=False)
-        return 2
+    dbmod.export_csv(_layers(args)[3], sys.stdout)
     return 0
+
+
+def cmd_db_where(args: argparse.Namespace) -> int:
+    """Where everything is: the resolved cache dir, user DB, shipped DB (and which entries come
+    from which), studies, kernels, templates, tuning spaces, ROCm."""
+    from . import db as dbmod
+    from . import settings
+    from .resources import templates_dir, tuning_spaces_dir
+
+    path, user, shipped, layered = _layers(args)
+    side = dbmod._side_files(path)
+    env = os.environ.get
+    user_origin = ("--db" if getattr(args, "db", None) else f"${settings.ENV_DB}" if env(settings.ENV_DB)
+                   else "the cache dir")
+    shipped_path = dbmod.shipped_db_path()
+    places = Sheet("places", "where ckgen reads and writes", (
+        Col("what", ident=True), Col("path", ident=True, wide=True), Col("set_by", "set by"), Col("state")))
+    places.add("cache dir", str(settings.cache_dir()),
+               f"${settings.ENV_CACHE}" if env(settings.ENV_CACHE) else "the platform's user cache dir",
+               "exists" if settings.cache_dir().is_dir() else "not created yet")
+    places.add("user DB", str(path), user_origin,
+               (plural(len(user.entries), "entry", "entries") if path.is_file() else "not created yet (no entries)")
+               + (f", {plural(len(side), 'pending side file')}" if side else ""))
+    places.add("shipped DB", str(shipped_path),
+               f"${settings.ENV_SHIPPED}" if settings.shipped_db_override() else "the package",
+               plural(len(shipped.entries), "entry", "entries") if shipped_path.is_file() else "missing (no entries)")
+    studies = settings.cache_dir() / "studies.sqlite3"
+    places.add("optuna studies", f"sqlite:///{studies}", "the cache dir (tune/retune --storage: another)",
+               "exists" if studies.is_file() else "not created yet")
+    kernels = settings.cache_dir() / "kernels"
+    places.add("compiled kernels", str(kernels), "the cache dir", "exists" if kernels.is_dir() else "not created yet")
+    pkg = Path(__file__).resolve().parent
+    for what, folder in (("templates", templates_dir()), ("tuning spaces", tuning_spaces_dir())):
+        places.add(what, str(folder), "the installed package" if pkg in folder.resolve().parents
+                   else "the checkout (beside the package)", "")
+    rocm = settings.rocm_path()
+    places.add("ROCm (offline HIP builds)", str(rocm) if rocm else "",
+               f"${settings.ENV_ROCM}" if env(settings.ENV_ROCM) else "tools/hip-toolchain (cache dir)",
+               "found" if rocm else "none")
+    counts: dict[tuple[str, str], list[int]] = {}
+    for e in layered.entries:
+        counts.setdefault((e.op, e.arch), [0, 0, 0])[0 if user.lookup(*e.ident) is e else 1] += 1
+    for e in shipped.entries:
+        if user.lookup(*e.ident) is not None:
+            counts.setdefault((e.op, e.arch), [0, 0, 0])[2] += 1
+    origin = Sheet("entries", f"entries in use ({plural(len(layered.entries), 'entry', 'entries')}), by origin", (
+        Col("op", ident=True), Col("arch", ident=True), Col("user", number=True), Col("shipped", number=True),
+        Col("shipped_overridden", "shipped, overridden by user", number=True)))
+    for (op, arch), (u, s, o) in sorted(counts.items()):
+        origin.add(op, arch, u, s, o)
+    emit(console, resolve(args.format, console), [places, origin])
+    return 0
+
+
+# ------------------------------------------------------------------ generate
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import tempfile
 
-    from . import db as dbmod
     from . import library
+    from .types import Target
 
-    targets = [t for t in args.target.split(",") if t]
-    try:
-        for t in targets:
-            library.Target.named(t)
-        shipped = dbmod.InstanceDB.load(Path(args.db) if args.db else dbmod.shipped_db_path())
-        instances = library.plan(targets, args.ops.split(",") if args.ops else None,
-                                 from_db=not args.defaults, db=shipped)
-    except (ValueError, dbmod.DBError) as e:
-        err.print(f"ckgen generate: {e}", markup=False)
-        return 2
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]
+    if not targets:
+        raise UsageError("--target: name at least one arch (e.g. sm_90)")
+    for t in targets:
+        try:
+            Target.named(t)
+        except ValueError as e:
+            raise UsageError(f"--target: {str(e).removeprefix('target: ')}") from None
+    ops = _ops_option(args.ops)
+    _, _, _, layered = _layers(args)  # the user DB over the shipped one, as every command reads them
+    instances = library.plan(targets, ops, from_db=not args.defaults, db=layered)
     out = Path(args.out)
+    n = plural(len(instances), "instance")
     if args.check:  # regenerate into a temp folder and compare with `out`
         with tempfile.TemporaryDirectory() as d:
             library.write(instances, Path(d))
             diff = library.drift(out, Path(d))
         if diff:
-            err.print(f"ckgen generate --check: {out} is out of date ({len(diff)} files differ, e.g. "
-                      f"{', '.join(diff[:3])}); run `ckgen generate` with the same options and commit", markup=False)
+            err.print(f"ckgen generate --check: {out} is out of date ({plural(len(diff), 'file')} differ"
+                      f"{'s' if len(diff) == 1 else ''}, e.g. {', '.join(diff[:3])}); run `ckgen generate` with "
+                      "the same options and commit", markup=False)
             return 1
-        console.print(f"{out}: up to date ({len(instances)} instances)")
+        console.print(f"{out}: up to date ({n})", markup=False)
         return 0
     try:
         for t in targets:  # a target's generated folders are rewritten whole: no stale instances stay behind
             library.clear_target(out, t)
     except ValueError as e:
-        err.print(f"ckgen generate: {e}", markup=False)
-        return 2
+        raise UsageError(f"--out: {e}") from None
     library.write(instances, out)
-    console.print(f"wrote {len(instances)} instances for {', '.join(targets)} under {out}")
+    console.print(f"wrote {n} for {', '.join(targets)} under {out}", markup=False)
     if args.no_compile:
         return 0
-    built = library.build(instances, args.jobs)
+    vendors = sorted({Target.named(t).vendor for t in targets})
+    missing = {v: why for v in vendors if (why := library.toolchain_missing(v))}
+    for vendor, why in missing.items():
+        archs = [t for t in targets if Target.named(t).vendor == vendor]
+        skipped = sum(1 for i in instances if i.target.vendor == vendor)
+        what = (f"no HIP toolchain ({why}); {library.HIP_TOOLCHAIN_HINT}" if vendor == "hip"
+                else f"no NVRTC ({why})")
+        err.print(f"ckgen generate: not built for {', '.join(archs)} ({plural(skipped, 'instance')}): {what}",
+                  markup=False)
+    todo = [i for i in instances if i.target.vendor not in missing]
+    built = library.build(todo, args.jobs)
     library.write_reports(built, out)
     failed = [b for b in built if not b.ok]
     for b in failed:
         err.print(f"FAILED {b.instance.target.arch} {b.instance.source.name}:\n{b.message}", markup=False)
-    console.print(f"built {len(built) - len(failed)} of {len(built)} instances"
-                  + (f"; {len(failed)} failed" if failed else ""))
-    return 1 if failed else 0
+    skipped = len(instances) - len(todo)
+    console.print(f"built {len(built) - len(failed)} of {n}" + (f"; {len(failed)} failed" if failed else "")
+                  + (f"; {skipped} not built (no toolchain)" if skipped else ""), markup=False)
+    return 1 if failed or skipped else 0
+
+
+# ------------------------------------------------------------------ retune, bench
 
 
 def cmd_retune(args: argparse.Namespace) -> int:
     from .target import gpu_status
+    from .types import Target
 
+    ops = _ops_option(args.ops)
+    if args.from_arch is not None:
+        try:
+            Target.named(args.from_arch)
+        except ValueError as e:
+            raise UsageError(f"--from-arch: {str(e).removeprefix('target: ')}") from None
+    db_path, _, _, db = _layers(args)
+    _check_storage(args.storage)
     why = gpu_status()
     if why:
-        err.print(f"ckgen retune: no usable GPU: {why}", markup=False)
-        return 2
+        raise _no_gpu(why)
+    import time
+
     from . import db as dbmod
     from . import settings
     from .ops import get_op
     from .target import device_info
-    from .tune import db_entry, retune_plan, tune_problem
+    from .tune import StudyStorageError, db_entry, retune_plan, tune_problem
 
+    fmt = resolve(args.format, console)
+    info_out = _info(fmt)
     info = device_info(None)
-    db_path = Path(args.db) if args.db else settings.user_db_path()
-    try:
-        db = _load_db(args)
-    except dbmod.DBError as e:
-        err.print(f"ckgen retune: {e}", markup=False)
-        return 2
-    plan = retune_plan(db, info.target.arch, args.from_arch, args.ops.split(",") if args.ops else None)
+    plan = retune_plan(db, info.target.arch, args.from_arch, ops)
     if not plan:
-        console.print(f"nothing to retune: every DB problem is tuned for {info.target.arch} already")
+        info_out.print(f"nothing to retune: every DB problem is tuned for {info.target.arch} already", markup=False)
+        emit(console, fmt, [] if fmt == "table" else [_retune_sheet(info)])
         return 0
-    console.print(f"retuning {len(plan)} problem(s) on {info.name} ({info.target.arch}), warm-started "
-                  f"from other archs' winners; DB {db_path}")
-    table = Table(title=f"retune on {info.name}")
-    for col in ("problem", "from", "old config here (us)", "new winner", "us", "speedup"):
-        table.add_column(col)
-    import time
-
+    info_out.print(f"retuning {plural(len(plan), 'problem')} on {info.name} ({info.target.arch}), warm-started "
+                   f"from other archs' winners; DB {db_path}", markup=False)
+    sheet = _retune_sheet(info)
     start, done = time.monotonic(), 0
     for item in plan:
         if args.total_timeout is not None and time.monotonic() - start > args.total_timeout:
-            console.print("[yellow]total time budget spent; remaining problems not retuned[/]")
+            info_out.print("[yellow]total time budget spent; remaining problems not retuned[/]")
             break
         op = get_op(item.op)
         problem = op.problem_from_key(item.problem)
@@ -235,6 +472,8 @@ def cmd_retune(args: argparse.Namespace) -> int:
             r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
                              storage=args.storage or settings.study_storage_url(), seed=args.seed,
                              sampler=args.sampler, warm=(item.config,) if ok else ())
+        except StudyStorageError as e:
+            raise UsageError(f"--storage: {e}") from None
         except RuntimeError as e:
             err.print(f"{item.problem}: {e}", markup=False)
             continue
@@ -245,13 +484,20 @@ def cmd_retune(args: argparse.Namespace) -> int:
             continue
         done += 1
         old = r.warm[0].timing.median_us if r.warm else None
-        table.add_row(item.problem, item.from_arch,
-                      f"{old:.1f}" if old else f"invalid here ({ok.reason})" if not ok else "failed",
-                      r.best.instance, f"{r.best.timing.median_us:.1f}",
-                      f"{old / r.best.timing.median_us:.2f}x" if old else "-")
-    console.print(table)
-    console.print(f"wrote {done} entr{'y' if done == 1 else 'ies'} for {info.target.arch} to {db_path}")
+        sheet.add(item.op, item.problem, item.from_arch,
+                  old if old else (f"invalid here ({ok.reason})" if not ok else "failed"),
+                  r.best.instance, r.best.timing.median_us, old / r.best.timing.median_us if old else None)
+    emit(console, fmt, [sheet], {"device": info.name, "arch": info.target.arch, "db": str(db_path)})
+    info_out.print(f"wrote {plural(done, 'entry', 'entries')} for {info.target.arch} to {db_path}", markup=False)
     return 0 if done == len(plan) else 1
+
+
+def _retune_sheet(info: Any) -> Sheet:
+    return Sheet("results", f"retune on {info.name}", (
+        Col("op", ident=True), Col("problem", ident=True, wide=True), Col("from_arch", "from", ident=True),
+        Col("old_us", "old config here (us)", lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)),
+        Col("instance", "new winner", ident=True, wide=True), Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
+        Col("speedup", "speedup", lambda v: f"{v:.2f}x", number=True)))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -260,119 +506,180 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(OPS)
     bad = [o for o in ops if o not in OPS]
     if bad:
-        err.print(f"ckgen bench: --ops: unknown {bad}; choose from {', '.join(OPS)}", markup=False)
-        return 2
+        raise UsageError(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
+    db_path = _user_db(args) if getattr(args, "db", None) else None
     try:
         import torch  # noqa: F401 - the comparison runs PyTorch's ops
     except ImportError:
-        err.print("ckgen bench: needs PyTorch (pip install 'ckgen[torch]')", markup=False)
-        return 2
+        raise UsageError("needs PyTorch (pip install 'ckgen[torch]')") from None
     from .target import gpu_status
 
     why = gpu_status()
     if why:
-        err.print(f"ckgen bench: no usable GPU: {why}", markup=False)
-        return 2
-    import os
-
+        raise _no_gpu(why)
     from .opbench import run
 
-    if getattr(args, "db", None):  # the user DB the dispatcher reads
-        os.environ["CKGEN_DB"] = str(args.db)
+    if db_path is not None:  # the user DB the dispatcher reads
+        os.environ["CKGEN_DB"] = str(db_path)
 
     out = Path(args.out or os.environ.get("OUT") or "bench-results")
     md = run(ops, out, quick=args.quick, compile=not args.no_compile,
              log=lambda line: console.print(line, markup=False))
-    console.print(f"wrote {md} (and .json, .png)")
+    console.print(f"wrote {md} (and .json, .png)", markup=False)
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckgen", description="Generate, tune and dispatch GPU kernels.")
-    p.add_argument("--db", help="user instance DB (default: $CKGEN_DB or the user cache dir)")
-    sub = p.add_subparsers(dest="cmd", required=True)
+# ------------------------------------------------------------------ the parser
 
-    t = sub.add_parser("tune", help="tune an op's problems on this GPU and record winners in the DB")
-    t.add_argument("op")
-    t.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the space's default problems)")
-    t.add_argument("--groups", type=int)
-    t.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"])
-    t.add_argument("--layout", action="append", choices=["nchw", "nhwc"])
-    t.add_argument("--activation", choices=["none", "swish"])
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (not the usage block) and exit code 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help` for usage)\n")
+
+
+_HELP_DB = "user instance DB, layered over the shipped one (default: $CKGEN_DB, else instances.yaml in the cache dir)"
+_HELP_FORMAT = "output format: table, tsv or json (default: table on a terminal, tsv otherwise)"
+
+
+def _common(p: argparse.ArgumentParser, prog: str, fn: Any, *, fmt: bool = False) -> None:
+    p.add_argument("--db", default=argparse.SUPPRESS, help=_HELP_DB)
+    if fmt:
+        p.add_argument("--format", choices=FORMATS, help=_HELP_FORMAT)
+    p.set_defaults(fn=fn, prog=prog)
+
+
+def _search_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=_positive_int, default=40, help="measured candidates per problem (default: 40)")
+    p.add_argument("--timeout", type=_seconds, help="seconds per problem (default: no limit)")
+    p.add_argument("--total-timeout", type=_seconds, help="seconds for the whole run (default: no limit)")
+    p.add_argument("--storage", help="optuna storage URL (default: sqlite:///<cache dir>/studies.sqlite3)")
+    p.add_argument("--seed", type=_count, default=0, help="sampler seed (default: 0)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="gp",
+                   help="search strategy over the valid configs: gp, tpe or random (default: gp; "
+                        "see docs/architecture.md)")
+
+
+def parser() -> argparse.ArgumentParser:
+    from .ops import all_ops
+
+    op_names = [o.name for o in all_ops()]
+    p = _Parser(prog="ckgen", description="Generate, tune and dispatch GPU kernels for GroupNorm and pooling.")
+    p.add_argument("--version", action="version", version=f"ckgen {__version__}")
+    p.add_argument("--db", help=_HELP_DB)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    t = sub.add_parser(
+        "tune", help="tune an op's problems on this GPU and record winners in the DB",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Tune OP's problems on this GPU; each winner goes into the user DB.\n\n"
+                    f"ops: {', '.join(op_names)}\n\n"
+                    "Without --shape, the op's default problems (its tuning space's list, for every dtype and "
+                    "layout\nunless --dtype/--layout narrow it). With --shape, one problem per dtype x layout.")
+    t.add_argument("op", metavar="OP", choices=op_names, help=f"the op to tune: one of {', '.join(op_names)}")
+    t.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
+    t.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"],
+                   help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
+    t.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
+                   help="repeatable (default: nchw with --shape, else the default problems' layouts)")
+    gn = t.add_argument_group("GroupNorm problem", "for groupnorm_*")
+    gn.add_argument("--groups", type=_positive_int, help="G, dividing C (required with --shape; no default)")
+    gn.add_argument("--activation", choices=["none", "swish"],
+                    help="none or swish (default: none with --shape, else the default problems' activations)")
     pool = t.add_argument_group("pooling problem", "with --shape, for maxpool2d_* / avgpool2d_*")
-    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW")
+    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW (required with --shape; no default)")
     pool.add_argument("--stride", type=_csv_ints, help="stride: S or SH,SW (default: the kernel)")
-    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default 0)")
-    pool.add_argument("--dilation", type=_csv_ints, help="dilation (max pooling): D or DH,DW (default 1)")
-    pool.add_argument("--ceil-mode", action="store_true", help="ceil instead of floor for the output size")
+    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default: 0)")
+    pool.add_argument("--dilation", type=_csv_ints, help="max pooling: D or DH,DW (default: 1)")
+    pool.add_argument("--ceil-mode", action="store_true", default=None,
+                      help="ceil instead of floor for the output size (default: floor)")
     pool.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=None,
                       help="avg pooling: count the padding in the divisor (default: yes)")
-    pool.add_argument("--divisor-override", type=int, help="avg pooling: divide by this instead")
-    pool.add_argument("--return-indices", action="store_true", help="maxpool2d_fwd: also write int64 indices")
+    pool.add_argument("--divisor-override", type=_positive_int,
+                      help="avg pooling: divide by this positive integer instead (default: none)")
+    pool.add_argument("--return-indices", action="store_true", default=None,
+                      help="maxpool2d_fwd: also write int64 indices (default: no)")
     pool.add_argument("--indices", choices=["stored", "recompute"],
-                      help="maxpool2d_bwd: read stored int64 indices (default) or recompute the argmax from x")
-    t.add_argument("--trials", type=int, default=40, help="measured candidates per problem (default 40)")
-    t.add_argument("--timeout", type=float, help="seconds per problem")
-    t.add_argument("--total-timeout", type=float, help="seconds for the whole run")
-    t.add_argument("--storage", help="optuna storage URL (default: SQLite file in the cache dir)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--sampler", choices=SAMPLERS, default="gp",
-                   help="search strategy over the valid configs (default gp; see docs/architecture.md)")
-    t.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    t.set_defaults(fn=cmd_tune)
+                      help="maxpool2d_bwd: read stored int64 indices or recompute the argmax from x (default: stored)")
+    _search_options(t)
+    _common(t, "ckgen tune", cmd_tune, fmt=True)
 
     g = sub.add_parser("generate", help="write and build the instance library for targets (no GPU needed)")
-    g.add_argument("--target", default="sm_80,sm_90,gfx90a,gfx942,gfx1100", help="comma-separated archs")
+    g.add_argument("--target", default="sm_80,sm_90,gfx90a,gfx942,gfx1100",
+                   help="comma-separated archs (default: sm_80,sm_90,gfx90a,gfx942,gfx1100)")
     g.add_argument("--ops", help="comma-separated ops (default: all)")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--from-db", action="store_true", help="the DB's winners (default)")
+    src.add_argument("--from-db", action="store_true", help="the DB's winners (the default)")
     src.add_argument("--defaults", action="store_true", help="the default config for each default problem")
     g.add_argument("--out", default="generated", help="library folder (default: generated)")
     g.add_argument("--no-compile", action="store_true", help="write sources and manifests only")
     g.add_argument("--check", action="store_true", help="fail if --out differs from a fresh generation")
-    g.add_argument("--jobs", type=int, help="parallel compiles (default: CPU count)")
-    g.add_argument("--db", default=argparse.SUPPRESS, help="DB to take winners from (default: the shipped DB)")
-    g.set_defaults(fn=cmd_generate)
+    g.add_argument("--jobs", type=_positive_int, help="parallel compiles (default: the CPU count)")
+    _common(g, "ckgen generate", cmd_generate)
 
     rt = sub.add_parser("retune", help="re-tune every DB problem tuned on another arch, on this GPU")
     rt.add_argument("--from-arch", help="only problems tuned on this arch (default: any other)")
     rt.add_argument("--ops", help="comma-separated ops (default: all)")
-    rt.add_argument("--trials", type=int, default=40)
-    rt.add_argument("--timeout", type=float, help="seconds per problem")
-    rt.add_argument("--total-timeout", type=float, help="seconds for the whole run")
-    rt.add_argument("--storage", help="optuna storage URL")
-    rt.add_argument("--seed", type=int, default=0)
-    rt.add_argument("--sampler", choices=SAMPLERS, default="gp", help="search strategy (default gp)")
-    rt.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    rt.set_defaults(fn=cmd_retune)
+    _search_options(rt)
+    _common(rt, "ckgen retune", cmd_retune, fmt=True)
 
     b = sub.add_parser("bench", help="time every op's suite on this GPU against PyTorch eager and torch.compile")
     b.add_argument("--ops", help="comma-separated ops (default: all six)")
     b.add_argument("--out", help="folder for bench-<device>.md/.json/.png (default: $OUT or ./bench-results)")
     b.add_argument("--quick", action="store_true", help="every third problem of each suite")
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    b.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    b.set_defaults(fn=cmd_bench)
+    _common(b, "ckgen bench", cmd_bench)
 
     ls = sub.add_parser("list", help="list ops and DB entries")
-    ls.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    ls.set_defaults(fn=cmd_list)
+    _common(ls, "ckgen list", cmd_list, fmt=True)
 
     d = sub.add_parser("db", help="inspect the instance DB")
-    dsub = d.add_subparsers(dest="dbcmd", required=True)
-    show = dsub.add_parser("show")
-    show.add_argument("--op")
-    show.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    show.set_defaults(fn=cmd_db_show)
+    dsub = d.add_subparsers(dest="dbcmd", required=True, metavar="DBCOMMAND")
+    show = dsub.add_parser("show", help="the DB entries in use (user DB over shipped DB)")
+    show.add_argument("--op", help="only this op's entries (default: all)")
+    _common(show, "ckgen db show", cmd_db_show, fmt=True)
     exp = dsub.add_parser("export", help="CSV to stdout")
-    exp.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    exp.set_defaults(fn=cmd_db_export)
+    _common(exp, "ckgen db export", cmd_db_export)
+    where = dsub.add_parser("where", help="the resolved cache dir, user DB, shipped DB, and which entries come "
+                                          "from which")
+    _common(where, "ckgen db where", cmd_db_where, fmt=True)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import db as dbmod
+
     args = parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    prog = args.prog
+    show = warnings.showwarning
+
+    def one_line(message: Any, category: type, *rest: Any, **kw: Any) -> None:
+        if issubclass(category, dbmod.DBWarning):
+            err.print(f"{prog}: warning: {message}", markup=False)
+        else:
+            show(message, category, *rest, **kw)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line
+            return int(args.fn(args) or 0)
+    except UsageError as e:
+        err.print(f"{prog}: {e}", markup=False)
+        return 2
+    except dbmod.DBError as e:  # a corrupt or unreadable DB file (strict reads)
+        err.print(f"{prog}: {e}", markup=False)
+        return 2
+    except KeyboardInterrupt:
+        err.print(f"{prog}: interrupted", markup=False)
+        return 130
+    except BrokenPipeError:  # the reader went away (`ckgen db show | head`): stop quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 0
 
 
 if __name__ == "__main__":

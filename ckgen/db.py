@@ -80,7 +80,7 @@ class DBCorruptError(DBError):
         self.kept = kept
         extra = (f"; the new entries were kept in {kept.name} beside it, merged by every load and "
                  "folded in once the file is fixed or moved aside") if kept else ""
-        super().__init__(f"ckgen instance DB {self.path}: {self.what}; {_UNTOUCHED}{extra}")
+        super().__init__(f"instance DB {self.path}: {self.what}; {_UNTOUCHED}{extra}")
 
 
 class DBWarning(UserWarning):
@@ -362,7 +362,7 @@ class InstanceDB:
                 dropped.append(f"{_name(e)}: {reason}")
         if dropped:
             where = f" {self.path}" if self.path else ""
-            _warn(f"ckgen instance DB{where}: ignoring {_count(len(dropped))} "
+            _warn(f"instance DB{where}: ignoring {_count(len(dropped))} "
                   f"(first: {dropped[0]}); re-tune to refresh them")
         return InstanceDB(tuple(kept), self.path, self.skipped)
 
@@ -383,7 +383,7 @@ def _load(path: Path, contents: _Contents, pending: list[tuple[Path, _Contents]]
         skipped += [f"{side.name} {s}" for s in c.skipped]
         entries += c.entries
     if skipped:
-        _warn(f"ckgen instance DB {path}: skipped {_count(len(skipped))} malformed "
+        _warn(f"instance DB {path}: skipped {_count(len(skipped))} malformed "
               f"(first: {skipped[0]}); the other entries are in use")
     return InstanceDB(tuple(_merge((), entries)), path, tuple(skipped))
 
@@ -414,6 +414,10 @@ def _read(path: Path) -> _Contents:
         raw = path.read_bytes()
     except FileNotFoundError:
         return _Contents([], [], [])
+    except IsADirectoryError:
+        raise DBCorruptError(path, "is a directory, not a DB file") from None
+    except OSError as e:  # unreadable (permissions, a special file, ...)
+        raise DBCorruptError(path, f"cannot be read ({e.strerror or e.__class__.__name__})") from None
     try:
         return _interpret(path, _parse(path, raw))
     except (RecursionError, MemoryError) as e:  # defence in depth: _parse bounds both
@@ -678,7 +682,7 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
             return InstanceDB.load(path)
         side = _write_side(path, new)
         _changed()
-        _warn(f"ckgen instance DB {path}: its lock was not free within {LOCK_TIMEOUT_S:g} s; the "
+        _warn(f"instance DB {path}: its lock was not free within {LOCK_TIMEOUT_S:g} s; the "
               f"{_count(len(new))} were kept in {side.name}, merged by every load and folded into "
               "the file by the next save")
         try:

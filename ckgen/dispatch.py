@@ -170,6 +170,9 @@ class Plan:
 
         global _multi_gpu, _rt, _launch_kernel
         if _rt is None:
+            from .target import require_cupy
+
+            require_cupy()  # not installed: say what to install
             from cupy.cuda import driver, runtime
 
             _rt, _launch_kernel = runtime, driver.launchKernel

@@ -177,8 +177,12 @@ def _build_cuda(inst: Instance) -> Built:
     return Built(inst, True, "", report)
 
 
+HIP_TOOLCHAIN_HINT = ("`bash tools/hip-toolchain` (in ckgen's repository) installs clang-19 and the ROCm "
+                      "headers/bitcode into the cache dir, where ckgen finds them; or set CKGEN_ROCM_PATH to a ROCm root")
+
+
 def hip_toolchain() -> tuple[str, Path, Path] | None:
-    """(clang++, ROCm root with include/hip, device bitcode dir), or None. `tools/hip-check`
+    """(clang++, ROCm root with include/hip, device bitcode dir), or None. `tools/hip-toolchain`
     installs one into the cache dir; $CKGEN_ROCM_PATH points at another ROCm root."""
     clang = shutil.which(os.environ.get("CKGEN_HIP_CLANG", "clang++-19"))
     root = settings.rocm_path()
@@ -188,6 +192,46 @@ def hip_toolchain() -> tuple[str, Path, Path] | None:
     return (clang, root, bitcode) if bitcode else None
 
 
+def hip_toolchain_missing() -> str | None:
+    """None when AMD targets can be built offline, else what is missing (one clause)."""
+    clang_name = os.environ.get("CKGEN_HIP_CLANG", "clang++-19")
+    missing = []
+    if not shutil.which(clang_name):
+        missing.append(f"{clang_name} is not on PATH")
+    root = settings.rocm_path()
+    if root is None:
+        missing.append("no ROCm headers/bitcode (CKGEN_ROCM_PATH is unset and the cache dir has none)")
+    elif not (root / "include" / "hip" / "hip_runtime.h").is_file():
+        missing.append(f"{root} has no include/hip/hip_runtime.h")
+    elif next(root.rglob("oclc_isa_version_900.bc"), None) is None:
+        missing.append(f"{root} has no ROCm device bitcode")
+    return "; ".join(missing) or None
+
+
+def nvrtc_missing() -> str | None:
+    """None when NVIDIA targets can be built offline (NVRTC through CuPy), else what is missing."""
+    from .target import CUPY_HINT
+
+    try:
+        from cupy.cuda import nvrtc
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "cupy":
+            return f"CuPy is not installed; {CUPY_HINT}"
+        return f"CuPy's NVRTC binding failed to import ({e.__class__.__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - a CUDA library that fails to load
+        return f"CuPy's NVRTC binding failed to import ({e.__class__.__name__}: {e})"
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001 - libnvrtc missing
+        return f"libnvrtc cannot be loaded ({e.__class__.__name__}: {e}); {CUPY_HINT} installs the NVRTC wheel"
+    return None
+
+
+def toolchain_missing(vendor: str) -> str | None:
+    """None when targets of `vendor` ("cuda" | "hip") can be built here, else why not."""
+    return nvrtc_missing() if vendor == "cuda" else hip_toolchain_missing()
+
+
 _HIPRES = re.compile(r"Function Name: (\S+).*?SGPRs: (\d+).*?VGPRs: (\d+).*?ScratchSize \[bytes/lane\]: (\d+)"
                      r".*?LDS Size \[bytes/block\]: (\d+)", re.S)
 
@@ -195,8 +239,7 @@ _HIPRES = re.compile(r"Function Name: (\S+).*?SGPRs: (\d+).*?VGPRs: (\d+).*?Scra
 def _build_hip(inst: Instance) -> Built:
     tc = hip_toolchain()
     if tc is None:
-        return Built(inst, False, "no HIP toolchain: run tools/hip-check once (installs clang-19 + ROCm "
-                                  "headers/bitcode into the cache dir) or set CKGEN_ROCM_PATH", {})
+        return Built(inst, False, f"no HIP toolchain ({hip_toolchain_missing()}): {HIP_TOOLCHAIN_HINT}", {})
     clang, root, bitcode = tc
     with tempfile.TemporaryDirectory() as d:
         src, obj = Path(d) / inst.file, Path(d) / "kernel.co"

@@ -37,7 +37,7 @@ def shipped_db_override() -> Path | None:
 
 
 def rocm_path() -> Path | None:
-    """$CKGEN_ROCM_PATH, else the private ROCm unpacked by tools/hip-check, else None."""
+    """$CKGEN_ROCM_PATH, else the private ROCm that tools/hip-toolchain unpacks into the cache dir, else None."""
     value = os.environ.get(ENV_ROCM)
     if value:
         return Path(value)

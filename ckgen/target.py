@@ -3,12 +3,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from .types import Target
 
 
 class NoGPUError(RuntimeError):
     """No usable GPU (CuPy missing, no driver, or no device)."""
+
+
+#: what to install for CuPy (and NVRTC), said wherever its absence stops something
+CUPY_HINT = "pip install 'ckgen[cuda13]', or 'ckgen[cuda12]' for a CUDA 12 driver"
+
+
+class CuPyMissingError(ModuleNotFoundError):
+    """CuPy is not installed: ckgen compiles (NVRTC) and launches through it. The message says
+    what to install. A ModuleNotFoundError, so code that catches ImportError still does."""
+
+
+def require_cupy(what: str = "launches its kernels") -> Any:
+    """The cupy module; CuPyMissingError (saying what to install) when it is not installed."""
+    try:
+        import cupy
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "cupy":
+            raise
+        raise CuPyMissingError(f"ckgen {what} through CuPy, which is not installed: {CUPY_HINT}", name="cupy") from None
+    return cupy
 
 
 @dataclass(frozen=True)
@@ -20,23 +41,28 @@ class DeviceInfo:
 
 
 def gpu_status() -> str | None:
-    """None when a GPU is usable, else one line saying why not."""
+    """None when a GPU is usable, else why not, as a clause that follows "no usable GPU"."""
     try:
         import cupy
-    except Exception as e:  # ImportError, or a CUDA library that fails to load
-        return f"CuPy is not importable ({e.__class__.__name__}: {e}); install ckgen[cuda13] or ckgen[cuda12]"
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "cupy":
+            return f"CuPy is not installed; {CUPY_HINT}"
+        return f"CuPy failed to import ({e.__class__.__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - a CUDA library that fails to load
+        return f"CuPy failed to import ({e.__class__.__name__}: {e})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        return f"no usable CUDA/ROCm device ({e.__class__.__name__}: {e})"
-    return None if n > 0 else "no CUDA/ROCm device found"
+    except Exception as e:  # noqa: BLE001 - no driver, an old driver, ...
+        runtime = "ROCm" if getattr(cupy.cuda.runtime, "is_hip", False) else "CUDA"
+        return f"the {runtime} runtime says {e}" if "Runtime" in type(e).__name__ else f"{e.__class__.__name__}: {e}"
+    return None if n > 0 else "no CUDA or ROCm device is visible"
 
 
 @lru_cache(maxsize=None)
 def device_info(device_id: int | None = None) -> DeviceInfo:
     why = gpu_status()
     if why:
-        raise NoGPUError(why)
+        raise NoGPUError(f"no usable GPU ({why})")
     import cupy
 
     dev = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()

@@ -61,8 +61,9 @@ def as_device_tensor(obj: Any, arg: str) -> DeviceTensor:
     if mod == "cupy":
         a = obj
     elif hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "__dlpack__"):
-        import cupy
+        from .target import require_cupy
 
+        cupy = require_cupy("reads other frameworks' device arrays")
         a = cupy.asarray(obj) if hasattr(obj, "__cuda_array_interface__") else cupy.from_dlpack(obj)
     else:
         raise TypeError(f"{arg}: expected a CuPy array or torch CUDA tensor, got {type(obj).__name__}")

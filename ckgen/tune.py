@@ -116,6 +116,35 @@ def _storage_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def storage_problem(url: str) -> str | None:
+    """Why `url` cannot be an optuna RDB storage, found without connecting (None: it may be
+    one): not a database URL, an unknown database kind, a driver that is not installed, or a
+    SQLite file whose folder is a file. What only a connection shows is StudyStorageError later."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        u = make_url(url)
+    except (ArgumentError, ValueError):
+        return f"{url!r} is not a database URL (e.g. sqlite:///studies.db)"
+    try:
+        dialect = u.get_dialect()
+    except NoSuchModuleError:
+        return f"unknown database kind {u.drivername!r} in {url!r}; use an optuna RDB URL such as sqlite:///studies.db"
+    try:
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()
+    except ImportError as e:
+        return f"the {u.get_backend_name()} driver for {url!r} is not installed ({e})"
+    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
+        path = Path(u.database)
+        if path.is_dir():
+            return f"{path} is a directory; name a file, e.g. sqlite:///{path / 'studies.sqlite3'}"
+        parent = next((p for p in path.parents if p.exists()), None)
+        if parent is not None and not parent.is_dir():
+            return f"{parent} is not a directory"
+    return None
+
+
 def open_storage(storage: Any) -> Any:
     """An optuna storage for a URL: heartbeats on; for SQLite, a generous busy timeout, and the
     schema created under a file lock (concurrent first runs on a fresh file raced on it). Other

@@ -74,6 +74,8 @@ class GroupNormOp(OpSpec):
     """The problem side every GroupNorm op (forward and backward) shares: problem type, CLI and
     default problems, tuning space by op name, random x/gamma/beta, distance between problems."""
 
+    tune_options: ClassVar[tuple[str, ...]] = ("groups", "activation")
+
     @property
     def space(self):
         return load_space(self.name)

@@ -76,6 +76,10 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def problem_from_key(self, key: str) -> Problem: ...
 
+    #: the `ckgen tune` options (argparse dests) this op's problems take with --shape; the CLI
+    #: refuses the others (e.g. --kernel on GroupNorm) before anything runs
+    tune_options: ClassVar[tuple[str, ...]] = ()
+
     def problems_from_cli(self, args: Any) -> list[Problem]:
         """The problems `ckgen tune OP --shape ...` names (args: the CLI's argparse namespace,
         with dtype/layout lists that may be None). Raise ValueError naming the bad option."""

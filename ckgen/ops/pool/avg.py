@@ -16,6 +16,7 @@ _AVG_TOL = {"fp32": Tolerance(1e-5, 1e-5), "fp16": Tolerance(1e-4, 1e-3), "bf16"
 
 class AvgPool2dFwd(_PoolOp):
     name: ClassVar[str] = "avgpool2d_fwd"
+    tune_options: ClassVar[tuple[str, ...]] = (*_PoolOp.tune_options, "count_include_pad", "divisor_override")
     template: ClassVar[str] = "avgpool2d_fwd.cu.j2"
     problem_cls: ClassVar[type] = AvgPoolProblem
     pool: ClassVar[str] = "avg"
@@ -64,6 +65,7 @@ class AvgPool2dFwd(_PoolOp):
 
 class AvgPool2dBwd(_PoolBwd):
     name: ClassVar[str] = "avgpool2d_bwd"
+    tune_options: ClassVar[tuple[str, ...]] = AvgPool2dFwd.tune_options
     template: ClassVar[str] = "avgpool2d_bwd.cu.j2"
     problem_cls: ClassVar[type] = AvgPoolProblem
     pool: ClassVar[str] = "avg"

@@ -36,6 +36,7 @@ class _PoolOp(OpSpec):
     problem_cls: ClassVar[type]
     pool: ClassVar[str]  # "max" | "avg"
     backward: ClassVar[bool]
+    tune_options: ClassVar[tuple[str, ...]] = ("kernel", "stride", "padding", "ceil_mode")
 
     @property
     def space(self):

@@ -17,6 +17,7 @@ _MAXBWD_TOL = {"fp32": Tolerance(1e-6, 2e-6), "fp16": Tolerance(1e-5, 1e-3), "bf
 
 class MaxPool2dFwd(_PoolOp):
     name: ClassVar[str] = "maxpool2d_fwd"
+    tune_options: ClassVar[tuple[str, ...]] = (*_PoolOp.tune_options, "dilation", "return_indices")
     template: ClassVar[str] = "maxpool2d_fwd.cu.j2"
     problem_cls: ClassVar[type] = MaxPoolFwdProblem
     pool: ClassVar[str] = "max"
@@ -69,6 +70,7 @@ class MaxPool2dFwd(_PoolOp):
 
 class MaxPool2dBwd(_PoolBwd):
     name: ClassVar[str] = "maxpool2d_bwd"
+    tune_options: ClassVar[tuple[str, ...]] = (*_PoolOp.tune_options, "dilation", "indices")
     template: ClassVar[str] = "maxpool2d_bwd.cu.j2"
     problem_cls: ClassVar[type] = MaxPoolBwdProblem
     pool: ClassVar[str] = "max"

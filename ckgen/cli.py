@@ -225,7 +225,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
                    f"DB {db_path}; study storage {storage}", markup=False)
     sheet = _result_sheet(f"{op.name} on {info.name}")
     start, results = time.monotonic(), []
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+    from rich.table import Column
+
+    key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))  # a problem key, whole
+    with Progress(key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
         for p in problems:
             left = None if args.total_timeout is None else args.total_timeout - (time.monotonic() - start)
@@ -650,7 +653,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from . import db as dbmod
 
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a usage error (printed on one line): its code
+        return e.code if isinstance(e.code, int) else 2
     prog = args.prog
     show = warnings.showwarning
 

@@ -126,15 +126,25 @@ def _records(sheet: Sheet, texts: list[list[str]], natural: list[int], short: li
         return "  ".join(out).rstrip()
 
     wide = [i for i in range(len(sheet.cols)) if i not in short]
-    label = max(len(sheet.cols[i].title or sheet.cols[i].key) for i in wide)
+    # A row is known by its first short identifier; without one, by its first long one, which
+    # then leads the record on a line of its own.
+    lead = wide[0] if not any(sheet.cols[i].ident for i in short) else None
+    rest = [i for i in wide if i != lead]
+    label = max((len(sheet.cols[i].title or sheet.cols[i].key) for i in rest), default=0)
+    pad = "  " if lead is not None else ""
     parts: list[Any] = []
     if sheet.title:
         parts.append(Text(sheet.title, style="italic"))
-    parts.append(Text(line([sheet.cols[i].title or sheet.cols[i].key for i in short]), style="bold"))
+    head = [sheet.cols[i].title or sheet.cols[i].key for i in short]
+    if lead is not None:
+        parts.append(Text(sheet.cols[lead].title or sheet.cols[lead].key, style="bold"))
+    parts.append(Text(pad + line(head), style="bold"))
     for row in texts:
-        parts.append(Text(line([row[i] for i in short])))
-        for i in (i for i in wide if row[i]):
-            parts.append(Text(f"  {(sheet.cols[i].title or sheet.cols[i].key).ljust(label)}  {row[i]}"))
+        if lead is not None:
+            parts.append(Text(row[lead]))
+        parts.append(Text(pad + line([row[i] for i in short])))
+        for i in (i for i in rest if row[i]):
+            parts.append(Text(f"{pad}  {(sheet.cols[i].title or sheet.cols[i].key).ljust(label)}  {row[i]}"))
     return Group(*parts)
 
 

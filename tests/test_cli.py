@@ -66,6 +66,19 @@ def inproc(capsys, monkeypatch):
     return run
 
 
+def tsv(out: str) -> list[list[dict[str, str]]]:
+    """The tables of a tsv output: one list of row dicts per table (tables are separated by one
+    empty line; each starts with its header line)."""
+    tables = []
+    for block in out.strip("\n").split("\n\n"):
+        lines = block.split("\n")
+        head = lines[0].split("\t")
+        rows = [ln.split("\t") for ln in lines[1:]]
+        assert all(len(r) == len(head) for r in rows), block
+        tables.append([dict(zip(head, r)) for r in rows])
+    return tables
+
+
 def run_sub(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith("CKGEN_")}
     e.update(CKGEN_CACHE_DIR=str(tmp_path / "sub-cache"), CKGEN_DB=str(tmp_path / "sub-cache" / "instances.yaml"),
@@ -86,7 +99,7 @@ def test_tune_without_gpu_inprocess(inproc) -> None:
     assert code == 2
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, err
-    assert "no usable GPU" in lines[0] and lines[0].startswith("ckgen tune")
+    assert lines[0].startswith("ckgen tune: no usable GPU (") and lines[0].count("usable") == 1
     assert out == ""
 
 
@@ -142,12 +155,23 @@ def test_tune_groups_not_dividing_channels(inproc) -> None:
 def test_list(inproc, tmp_path: Path, db_file: Path) -> None:
     code, out, _ = inproc("list")
     assert code == 0
-    assert "groupnorm_fwd" in out and "groupnorm_fwd.cu.j2" in out
-    assert "instance DB (0 entries)" in out  # the isolated user DB is empty
+    ops, entries = tsv(out)  # not a terminal: tab-separated, the ops then the DB entries
+    by_op = {r["op"]: r for r in ops}
+    assert by_op["groupnorm_fwd"]["template"] == "groupnorm_fwd.cu.j2"
+    assert entries == []  # the isolated user DB is empty, and the tests see no shipped DB
     code, out, _ = inproc("--db", str(db_file), "list")
-    assert code == 0 and "instance DB (2 entries)" in out
+    assert code == 0 and len(tsv(out)[1]) == 2
     r = run_sub(tmp_path, "list")
     assert r.returncode == 0 and "groupnorm_fwd" in r.stdout
+
+
+def test_list_counts_the_default_problems_the_ops_tune(inproc) -> None:
+    from ckgen.ops import all_ops
+
+    code, out, _ = inproc("list")
+    counts = {r["op"]: int(r["default_problems"]) for r in tsv(out)[0]}
+    assert counts == {op.name: len(op.default_problems()) for op in all_ops()}
+    assert counts["maxpool2d_fwd"] == 10 and counts["groupnorm_fwd"] == 14  # not the YAML's 0 and 7 shapes
 
 
 # ------------------------------------------------------------------ db show / export
@@ -158,28 +182,28 @@ def test_db_show_with_db_option(inproc, db_file: Path) -> None:
     for argv in (["--db", str(db_file), "db", "show"], ["db", "show", "--db", str(db_file)]):
         code, out, err = inproc(*argv)
         assert code == 0, err
-        assert "instance DB (2 entries)" in out
-        for e in entries:
-            assert e.problem in out and e.instance in out
+        (rows,) = tsv(out)
+        assert {(r["problem"], r["instance"], r["from"]) for r in rows} == {(e.problem, e.instance, "user") for e in entries}
     code, out, _ = inproc("db", "show")  # the (empty) default DB, not the last --db
-    assert code == 0 and "instance DB (0 entries)" in out
+    assert code == 0 and tsv(out) == [[]]
 
 
 def test_db_show_with_env(inproc, db_file: Path, monkeypatch) -> None:
     monkeypatch.setenv("CKGEN_DB", str(db_file))
     code, out, _ = inproc("db", "show")
     assert code == 0
-    assert "instance DB (2 entries)" in out and make_entries()[1].problem in out
+    (rows,) = tsv(out)
+    assert len(rows) == 2 and make_entries()[1].problem in {r["problem"] for r in rows}
 
 
 def test_db_show_subprocess_env_and_option(tmp_path: Path, db_file: Path) -> None:
     r = run_sub(tmp_path, "db", "show", env={"CKGEN_DB": str(db_file)})
     assert r.returncode == 0, r.stderr
-    assert "instance DB (2 entries)" in r.stdout and make_entries()[0].instance in r.stdout
+    assert len(tsv(r.stdout)[0]) == 2 and make_entries()[0].instance in r.stdout
     r = run_sub(tmp_path, "db", "show", "--db", str(db_file))
-    assert r.returncode == 0 and "instance DB (2 entries)" in r.stdout
+    assert r.returncode == 0 and len(tsv(r.stdout)[0]) == 2
     r = run_sub(tmp_path, "db", "show")
-    assert r.returncode == 0 and "instance DB (0 entries)" in r.stdout
+    assert r.returncode == 0 and tsv(r.stdout) == [[]]
 
 
 def test_db_export_csv(inproc, tmp_path: Path, db_file: Path) -> None:
@@ -237,6 +261,7 @@ def test_bench_without_gpu_says_why(inproc) -> None:
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("ckgen bench: "), err
     assert "no usable GPU" in lines[0] or "needs PyTorch" in lines[0]
+    assert lines[0].count("usable") <= 1
 
 
 def test_bench_rejects_unknown_ops(inproc) -> None:

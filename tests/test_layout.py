@@ -146,3 +146,36 @@ def test_sdist_and_its_wheel_carry_the_data(tmp_path: Path) -> None:
     want |= {"ckgen/data/instances.yaml", "ckgen/ops/pool/max.py", "ckgen/types.py"}
     assert want <= inside, sorted(want - inside)
     assert not any(n.startswith(("templates/", "tuning_spaces/")) for n in inside)
+
+
+# ------------------------------------------------------------------ the GPU tier's install
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    import re
+
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in reqs}
+
+
+def test_gpu_test_extra_covers_the_gpu_tier_and_keeps_a_cuda_torch() -> None:
+    """`pip install ".[gpu-test]"` installs everything tests/gpu imports, and pins no torch
+    release (test's torch==2.13.0 is the CPU build: it must not replace a CUDA torch)."""
+    import sys
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extra = project["optional-dependencies"]["gpu-test"]
+    assert not [r for r in extra if r.lower().startswith("torch") and "==" in r], extra
+    have = _requirement_names(extra) | _requirement_names(project["dependencies"])
+    dist = {"cupy": "cupy-cuda13x", "yaml": "pyyaml", "torch": "torch", "pytest": "pytest", "numpy": "numpy",
+            "hypothesis": "hypothesis", "jinja2": "jinja2", "optuna": "optuna", "rich": "rich"}
+    for path in sorted((REPO / "tests" / "gpu").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+        mods |= {n.args[0].value.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and getattr(n.func, "attr", "") == "importorskip" and n.args and isinstance(n.args[0], ast.Constant)}
+        for m in mods - set(sys.stdlib_module_names) - {"ckgen", "__future__", "tests"}:
+            assert dist.get(m, m) in have, f"{path.name} imports {m}, which .[gpu-test] does not install"
+    readme = (REPO / "README.md").read_text()
+    assert 'pip install ".[gpu-test]"' in readme and "python3 -m pytest -m gpu" in readme

@@ -299,12 +299,12 @@ def test_db_where_says_which_entries_come_from_which(run, tmp_path: Path, monkey
 # ------------------------------------------------------------------ generate
 
 
-def test_generate_layers_the_user_db_over_the_shipped_one(run, tmp_path: Path) -> None:
+def test_generate_layers_the_user_db_over_the_shipped_one(run, tmp_path: Path, monkeypatch) -> None:
     shipped = tmp_path / "shipped.yaml"
     dbmod.save_entries(shipped, make_entries(1))
     user = tmp_path / "user.yaml"
     dbmod.save_entries(user, [make_entries(2)[1]])
-    os.environ["CKGEN_SHIPPED_DB"] = str(shipped)  # restored by the conftest's monkeypatch
+    monkeypatch.setenv("CKGEN_SHIPPED_DB", str(shipped))
     out = tmp_path / "lib"
     code, stdout, err = run("generate", "--db", str(user), "--ops", "groupnorm_fwd", "--target", "sm_90",
                             "--no-compile", "--out", str(out))

@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -577,7 +578,7 @@ def parser() -> argparse.ArgumentParser:
         "tune", help="tune an op's problems on this GPU and record winners in the DB",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Tune OP's problems on this GPU; each winner goes into the user DB.\n\n"
-                    f"ops: {', '.join(op_names)}\n\n"
+        + textwrap.fill(f"ops: {', '.join(op_names)}", 90, subsequent_indent="     ") + "\n\n"
                     "Without --shape, the op's default problems (its tuning space's list, for every dtype and "
                     "layout\nunless --dtype/--layout narrow it). With --shape, one problem per dtype x layout.")
     t.add_argument("op", metavar="OP", choices=op_names, help=f"the op to tune: one of {', '.join(op_names)}")

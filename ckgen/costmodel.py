@@ -47,7 +47,7 @@ from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
 
 FORMAT = "ckgen-costmodel"
 VERSION = 1
-ENV_MODEL = "CKGEN_MODEL"
+from .settings import ENV_MODEL  # noqa: E402 - one place for every environment setting
 MAX_CANDIDATES = 512
 MIN_CANDIDATES = 24  # fewer usable within one knob step of the winners: look a step further
 MAX_STEPS = 3
@@ -655,3 +655,22 @@ def recmod_by_problem(records: Iterable[dict[str, Any]]):
     from .records import by_problem
 
     return by_problem(records)
+
+
+def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
+                  usable: Callable[[Config], bool]) -> tuple[Config, Prediction, int] | None:
+    """The dispatcher's question for a problem no usable DB entry covers: the model's best
+    candidate (the DB entries' winners of this op on this vendor, nearest problem first, join
+    the recorded ones), its prediction and the candidate count; None without a model."""
+    model = load()
+    if model is None:
+        return None
+    params = op.space.params
+    mine = [e for e in entries if e.op == op.name and e.vendor == target.vendor]
+    mine.sort(key=lambda e: (op.distance(p, op.problem_from_key(e.problem)), e.arch != target.arch, e.problem))
+    extra = []
+    for e in mine:
+        c = Config.of(e.config_dict())
+        if set(c.as_dict()) == set(params) and op.space.check(c):
+            extra.append(c)
+    return model.choose(op, p, target, lambda c: bool(usable(c)), extra)

@@ -77,7 +77,39 @@ def main() -> int:
               f"{r.default:>7.3f}x {r.oracle:>8.3f}x")
     if not have_gbt:
         print("(gbt: scikit-learn is not installed)")
+    pairs(recs)
     return 0
+
+
+def pairs(recs) -> None:
+    """Every other recorded problem holds a winner and the default's time (the shipped DB): held
+    out in turn, does the roofline model rank the two the right way round (where they differ by
+    5% or more)? A weak check (one pair per problem), over every op."""
+    from ckgen import costmodel as cm
+    from ckgen.ops import get_op
+    from ckgen.ops.spec import Config, Target
+
+    right: dict[str, list[bool]] = {}
+    for (op_name, arch, key), rs in __import__("ckgen.records", fromlist=["by_problem"]).by_problem(recs):
+        win = [r for r in rs if r["phase"] == "winner"]
+        dft = [r for r in rs if r["phase"] == "default"]
+        if not win or not dft or win[0]["config"] == dft[0]["config"]:
+            continue
+        tw, td = win[0]["time_us"], dft[0]["time_us"]
+        if max(tw, td) < 1.05 * min(tw, td):
+            continue
+        op, target = get_op(op_name), Target.named(arch)
+        p = op.problem_from_key(key)
+        cw, cd = Config.of(win[0]["config"]), Config.of(dft[0]["config"])
+        if not (op.validate(p, cw, target) and op.validate(p, cd, target)):
+            continue
+        model = cm.fit([r for r in recs if (r["op"], r["problem"]) != (op_name, key)])
+        pw, pd = model.predict(op, p, cw, target), model.predict(op, p, cd, target)
+        right.setdefault(op_name, []).append((pw.gpu_us < pd.gpu_us) == (tw < td))
+    total = [x for v in right.values() for x in v]
+    print(f"\nwinner vs default, each problem held out: the roofline ranks {sum(total)}/{len(total)} pairs right")
+    for name, v in sorted(right.items()):
+        print(f"  {name:<26} {sum(v)}/{len(v)}")
 
 
 if __name__ == "__main__":

@@ -341,6 +341,19 @@ def cmd_db_where(args: argparse.Namespace) -> int:
                "exists" if studies.is_file() else "not created yet")
     kernels = settings.cache_dir() / "kernels"
     places.add("compiled kernels", str(kernels), "the cache dir", "exists" if kernels.is_dir() else "not created yet")
+    from . import costmodel, records
+
+    model = costmodel.model_path()
+    model_env = env(settings.ENV_MODEL)
+    places.add("cost model", str(model) if model else "",
+               f"${settings.ENV_MODEL}" if model_env else
+               "beside the user DB" if model == costmodel.user_model_path() else "the package",
+               "off" if model is None else "exists" if model.is_file() else "missing (the dispatcher goes on without it)")
+    user_records = records.user_records_path()
+    places.add("tuning records (yours)", str(user_records), "beside the user DB",
+               "exists" if user_records.is_file() else "not created yet")
+    places.add("tuning records (shipped)", str(records.packaged_records_path()), "the package",
+               "exists" if records.packaged_records_path().is_file() else "missing")
     pkg = Path(__file__).resolve().parent
     for what, folder in (("templates", templates_dir()), ("tuning spaces", tuning_spaces_dir())):
         places.add(what, str(folder), "the installed package" if pkg in folder.resolve().parents

@@ -1,8 +1,9 @@
 """Selection and launch: a problem -> DB winner or fallback -> compiled kernels -> a launch plan.
 
-Selection never tunes implicitly. On a DB miss it falls back to the nearest tuned problem whose
-config is valid here, else to the space's default (or the valid config nearest to it), and says
-so once per problem through the `ckgen` logger.
+Selection never tunes implicitly. On a DB miss it asks the config cost model (ckgen/costmodel.py)
+for the best of the configs that won anywhere and their neighbours; without a model, it falls
+back to the nearest tuned problem whose config is valid here, else to the space's default (or
+the valid config nearest to it), and says so once per problem through the `ckgen` logger.
 
 Launch goes through a `Plan`, built once per (op, problem, device, pointer alignment class,
 framework): the choice, the loaded kernels, their grids, the kernel-argument buffer with the
@@ -35,7 +36,7 @@ class Choice:
     problem: str
     instance: str
     config: Config
-    source: str  # "tuned" | "nearest" | "default"
+    source: str  # "tuned" | "model" | "nearest" | "default"
     reason: str
     entry: Any = None  # the db.Entry it came from, if any
 
@@ -104,6 +105,15 @@ class Dispatcher:
                 stale = "tuned entry is stale (template changed since tuning); "
             else:
                 stale = f"tuned entry unusable ({why}); "
+        from . import costmodel  # the cost model's pick among every config that won and its neighbours
+
+        picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
+                                         lambda c: self._usable(op, problem, c, target, max_vec) is None)
+        if picked is not None:
+            config, pred, n = picked
+            src = render_instance(op, problem, config, target)
+            return Choice(op.name, problem.key(), src.name, config, "model",
+                          f"{stale}not tuned; the cost model predicts {pred}, best of {n} candidates"), src
         near = sorted((e for e in db.select(op.name, target.arch) if e.problem != problem.key()),
                       key=lambda e: op.distance(problem, op.problem_from_key(e.problem)))
         for e in near:

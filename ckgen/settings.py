@@ -11,6 +11,7 @@ ENV_CACHE = "CKGEN_CACHE_DIR"  # folder for the user DB and optuna studies
 ENV_QUIET = "CKGEN_QUIET"  # "1": no fallback notices (the dispatcher's, and ckgen.torch's fallbacks to PyTorch)
 ENV_ROCM = "CKGEN_ROCM_PATH"  # a ROCm root (include/hip, device bitcode) for offline HIP builds
 ENV_SHIPPED = "CKGEN_SHIPPED_DB"  # another file in place of the packaged DB (a missing file: none)
+ENV_MODEL = "CKGEN_MODEL"  # the config cost model file in place of the user's/packaged one; "off": none
 
 
 def cache_dir() -> Path:

@@ -1,6 +1,8 @@
 """One optuna study per problem. The sampler proposes only valid configs no trial holds yet
-(ckgen/sampler.py: a Gaussian process by default), seeded with the default config and model-picked
-configs. Proposals are compiled in parallel worker processes a few ahead of the GPU, and each
+(ckgen/sampler.py: a Gaussian process by default), seeded with the default config, the cost
+model's picks (ckgen/costmodel.py) and the op's own heuristic picks. Every measurement is
+appended to the records file beside the user DB (ckgen/records.py): the cost model's training
+data. Proposals are compiled in parallel worker processes a few ahead of the GPU, and each
 result is told as it arrives, so the next proposal comes from the latest model. Wrong or failing
 candidates are failed trials with their reason. Budgets in trials and seconds; resumable from
 optuna storage (SQLite under the cache dir). The winner is picked among the best few by fresh
@@ -371,7 +373,8 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
            trials: int, timeout: float | None, storage: Any, seed: int, sampler: str | None = None,
            ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
            warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None,
-           device: str = "") -> tuple[Any, Config]:
+           device: str = "", model_seeds: tuple[Config, ...] = (),
+           record: Callable[..., None] | None = None) -> tuple[Any, Config]:
     """The search loop, apart from the device. `ev.start(configs)` begins compiling configs
     without waiting; `ev.measure(config)` returns a Measured or raises TrialFailed. Returns the
     optuna study and the default config (measured first, after any `warm` configs).
@@ -382,6 +385,9 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
       arrives and the next proposal is made from it.
     - `restrict`: search only the valid configs it accepts (e.g. those a recorded sweep holds).
     - `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds.
+    - `model_seeds`: the cost model's picks, measured right after the default; they take the
+      first of the `_n_seeds(trials)` seed slots, `op.seed_configs` the rest.
+    - `record(config, time_us or None, reason)`: called with every measured config (records).
     - `storage`: None (in memory), an optuna storage, or a URL (`open_storage`). Several tuners
       may share one study: each proposes configs no other holds, and the trials of a tuner that
       died are failed after GRACE_S and their configs proposed again.
@@ -397,7 +403,7 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
             return _search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout,
                            storage=open_storage(storage), seed=seed, sampler=sampler, ahead=ahead,
                            on_trial=on_trial, warm=warm, restrict=restrict, device=device,
-                           claims=_claim_lock(storage))
+                           claims=_claim_lock(storage), model_seeds=model_seeds, record=record)
     except (*_storage_errors(), filelock.Timeout) as e:
         raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -406,7 +412,8 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
 def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *, trials: int,
             timeout: float | None, storage: Any, seed: int, sampler: str | None, ahead: int,
             on_trial: Callable[[int, int, float], None] | None, warm: tuple[Config, ...],
-            restrict: Callable[[Config], bool] | None, device: str, claims: Any) -> tuple[Any, Config]:
+            restrict: Callable[[Config], bool] | None, device: str, claims: Any,
+            model_seeds: tuple[Config, ...] = (), record: Callable[..., None] | None = None) -> tuple[Any, Config]:
     import optuna
 
     from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
@@ -427,7 +434,9 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
     default_cfg = op.space.nearest_default(lambda c: c in valid_set)
     assert default_cfg is not None  # `valid` is non-empty
     seeds = [c for c in op.seed_configs(problem, target, num_sms, count=len(valid)) if c in valid_set]
-    enqueue = [c for c in warm if c in valid_set] + [default_cfg] + seeds[: _n_seeds(trials)]
+    picks = list(dict.fromkeys(c for c in model_seeds if c in valid_set))[: _n_seeds(trials)]
+    enqueue = [c for c in warm if c in valid_set] + [default_cfg] + picks + \
+        [c for c in seeds if c not in picks][: _n_seeds(trials) - len(picks)]
     for cfg in dict.fromkeys(enqueue):
         study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
     States = optuna.trial.TrialState
@@ -487,11 +496,15 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
                 trial.set_user_attr(FAILURE_ATTR, str(e))
                 ev.failures.append((config.key(), str(e)))
                 study.tell(trial, state=States.FAIL, skip_if_finished=True)
+                if record:
+                    record(config, None, str(e))
             else:
                 trial.set_user_attr("instance", m.instance)
                 trial.set_user_attr("spread", round(m.timing.spread, 4))
                 study.tell(trial, m.timing.median_us, skip_if_finished=True)
                 best = min(best, m.timing.median_us)
+                if record:
+                    record(config, m.timing.median_us)
             beat.remove(trial)
             done += 1
             if on_trial:
@@ -542,11 +555,19 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     timer = Timer(info.l2_bytes)
     harness = Harness(op, problem, seed=None)  # fresh random inputs every run
     obj = _Objective(op, problem, target, harness, timer)
+    from . import costmodel
+    from .records import Recorder
+
+    record = Recorder(op, problem, target, info.name)  # every measurement is data (ckgen/records.py)
+    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2),
+                                  lambda c: bool(op.validate(problem, c, target)))
     study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
                                 storage=storage, seed=seed, sampler=sampler, ahead=ahead, on_trial=on_trial,
-                                warm=warm, device=info.name)
+                                warm=warm, device=info.name, model_seeds=tuple(picks), record=record)
     valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
     ranked = final_round(obj, study, default_cfg, valid, rounds)
+    for m in ranked:
+        record(m.config, m.timing.median_us, phase="final")
     if not ranked:
         raise RuntimeError(f"{op.name} {problem.key()}: no candidate passed verification; "
                            f"failures: {obj.failures[:3]}")

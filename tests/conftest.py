@@ -26,6 +26,8 @@ def _isolated_db(tmp_path, monkeypatch):
     monkeypatch.setenv("CKGEN_DB", str(tmp_path / "cache" / "instances.yaml"))
     # Tests see no shipped DB unless they ask for it (test_shipped_db.py reads the packaged file).
     monkeypatch.setenv("CKGEN_SHIPPED_DB", str(tmp_path / "no-shipped-db.yaml"))
+    # Nor a cost model (test_costmodel.py turns it on): the dispatcher's answers stay nearest/default.
+    monkeypatch.setenv("CKGEN_MODEL", "off")
     from ckgen.dispatch import dispatcher
 
     dispatcher().reload()  # the DB paths changed: no choice or launch plan of another test's DB

@@ -143,6 +143,7 @@ def test_sdist_and_its_wheel_carry_the_data(tmp_path: Path) -> None:
     inside = set(zipfile.ZipFile(whl).namelist())
     want = {f"ckgen/templates/{p.relative_to(REPO / 'templates')}" for p in (REPO / "templates").rglob("*.j2")}
     want |= {f"ckgen/tuning_spaces/{p.name}" for p in (REPO / "tuning_spaces").glob("*.yaml")}
+    want |= {f"ckgen/data/{p.name}" for p in (REPO / "ckgen" / "data").iterdir() if not p.name.endswith(".lock")}
     want |= {"ckgen/data/instances.yaml", "ckgen/ops/pool/max.py", "ckgen/types.py"}
     assert want <= inside, sorted(want - inside)
     assert not any(n.startswith(("templates/", "tuning_spaces/")) for n in inside)

@@ -1,0 +1,116 @@
+"""Which model for the config selector? Leave-one-out on the recorded sweeps, CPU only:
+
+    python bench/costmodel_loo.py
+
+Each exhaustive sweep (bench/results/sweeps) is held out in turn; a model is fit on every other
+shipped record (ckgen/data/records.jsonl.gz) and picks among the held-out problem's candidates
+(ckgen.costmodel.candidates) that the sweep timed. Printed as the picked config's time / the
+sweep's best, for:
+  - roofline: ckgen's model (ckgen/costmodel.py), an analytical roofline with fitted terms;
+  - gbt: scikit-learn's HistGradientBoostingRegressor on the same phi terms plus the problem's
+    features (log sizes, layout, dtype bytes), predicting log time (when scikit-learn is installed);
+  - nearest: the winner of the nearest other recorded problem (the dispatcher without a model);
+  - default: the space's default config;
+  - best candidate: what a perfect ranking of the candidates would give.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def gbt_pick(rest, op, p, target, cands):
+    import numpy as np
+    from sklearn.ensemble import HistGradientBoostingRegressor
+
+    from ckgen import costmodel as cm
+
+    def row(op_, p_, c_, t_):
+        g = cm.geometry(op_, p_, c_, t_)
+        phi = cm._phi_matrix([g], 2e6)[0]
+        return [*phi, g.launches, g.log_roof, g.log_inflight, math.log(p_.N), math.log(p_.C), math.log(p_.H * p_.W),
+                float(p_.layout == "nhwc"), float(p_.dtype != "fp32")]
+
+    X, y = [], []
+    for r, op_, p_, t_, c_ in cm._usable_records(rest):
+        X.append(row(op_, p_, c_, t_))
+        y.append(math.log(float(r["time_us"])))
+    model = HistGradientBoostingRegressor(max_iter=300, learning_rate=0.05, random_state=0)
+    model.fit(np.array(X), np.array(y))
+    pred = model.predict(np.array([row(op, p, c, target) for c in cands]))
+    return cands[int(np.argmin(pred))]
+
+
+def main() -> int:
+    from ckgen import costmodel as cm
+    from ckgen import records
+    from ckgen.ops import get_op
+    from ckgen.ops.spec import Config, Target
+
+    recs = records.read(records.packaged_records_path())
+    try:
+        import sklearn  # noqa: F401
+        have_gbt = True
+    except ImportError:
+        have_gbt = False
+    print(f"{'held-out sweep':<58} {'roofline':>8} {'gbt':>6} {'nearest':>8} {'default':>8} {'best cand':>9}")
+    for r in cm.leave_one_out(recs):
+        gbt = math.nan
+        if have_gbt:
+            op, target = get_op(r.op), Target.named("sm_90")
+            p = op.problem_from_key(r.problem)
+            rest = [x for x in recs if (x["op"], x["problem"]) != (r.op, r.problem)]
+            timed = {}
+            for x in recs:
+                if (x["op"], x["problem"]) == (r.op, r.problem) and x["ok"]:
+                    c = Config.of(x["config"])
+                    timed[c] = min(timed.get(c, math.inf), x["time_us"])
+            model = cm.fit(rest)
+            cands = cm.candidates(op, p, target, model.winner_configs(op),
+                                  lambda c: c in timed and bool(op.validate(p, c, target)))
+            gbt = timed[gbt_pick(rest, op, p, target, cands)] / min(timed.values())
+        print(f"{r.op + ' ' + r.problem[:44]:<58} {r.model:>7.3f}x {gbt:>5.3f}x {r.nearest:>7.3f}x "
+              f"{r.default:>7.3f}x {r.oracle:>8.3f}x")
+    if not have_gbt:
+        print("(gbt: scikit-learn is not installed)")
+    pairs(recs)
+    return 0
+
+
+def pairs(recs) -> None:
+    """Every other recorded problem holds a winner and the default's time (the shipped DB): held
+    out in turn, does the roofline model rank the two the right way round (where they differ by
+    5% or more)? A weak check (one pair per problem), over every op."""
+    from ckgen import costmodel as cm
+    from ckgen.ops import get_op
+    from ckgen.ops.spec import Config, Target
+
+    right: dict[str, list[bool]] = {}
+    for (op_name, arch, key), rs in __import__("ckgen.records", fromlist=["by_problem"]).by_problem(recs):
+        win = [r for r in rs if r["phase"] == "winner"]
+        dft = [r for r in rs if r["phase"] == "default"]
+        if not win or not dft or win[0]["config"] == dft[0]["config"]:
+            continue
+        tw, td = win[0]["time_us"], dft[0]["time_us"]
+        if max(tw, td) < 1.05 * min(tw, td):
+            continue
+        op, target = get_op(op_name), Target.named(arch)
+        p = op.problem_from_key(key)
+        cw, cd = Config.of(win[0]["config"]), Config.of(dft[0]["config"])
+        if not (op.validate(p, cw, target) and op.validate(p, cd, target)):
+            continue
+        model = cm.fit([r for r in recs if (r["op"], r["problem"]) != (op_name, key)])
+        pw, pd = model.predict(op, p, cw, target), model.predict(op, p, cd, target)
+        right.setdefault(op_name, []).append((pw.gpu_us < pd.gpu_us) == (tw < td))
+    total = [x for v in right.values() for x in v]
+    print(f"\nwinner vs default, each problem held out: the roofline ranks {sum(total)}/{len(total)} pairs right")
+    for name, v in sorted(right.items()):
+        print(f"  {name:<26} {sum(v)}/{len(v)}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

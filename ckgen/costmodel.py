@@ -1,0 +1,677 @@
+"""The config cost model: what the dispatcher asks for a problem no DB entry covers, and where
+the tuner takes its first seeds from.
+
+**Why an analytical model with fitted terms, not a learner.** The training records
+(ckgen/records.py) are thin: two exhaustive sweeps (GroupNorm forward, bf16, one NCHW and one
+NHWC shape: 3,196 timings) and about two timings per problem (winner and default) for 81
+problems of the other ops. A gradient-boosted or ranking model fit on that learns the two swept
+problems and has nothing to generalise with across shapes (`bench/costmodel_loo.py` measures
+it). So the model's *form* is physics: time = launches x a per-launch floor + the bytes the op
+must move / bandwidth, scaled by exp(w . phi), where phi are deficits that make a memory-bound
+kernel slower than its roofline (bytes in flight below what the GPU needs to hide latency,
+SMs left idle, the last wave's tail, narrow vectors, re-reads, splits, ...). Only the weights
+w (ridge regression pulled toward physical priors, so a term the data says nothing about stays
+at its prior), one intercept per op, the per-launch floor and the bytes-in-flight knee are
+fitted, on within-problem differences (a ranking, not absolute times across problems). It is
+numpy only, deterministic, and a JSON file of a few kilobytes.
+
+**Host time.** A call costs the host a fixed part, ~4 us per kernel launch (cuLaunchKernel)
+and ~3 us per output allocation (measured: bench/results/host_overhead-*.json). Back to back,
+a call takes max(GPU time, host time), so for tiny problems fewer launches win; candidates are
+ranked by that, then by GPU time.
+
+**Candidates.** Every config that won anywhere (the model file's per-problem best configs from
+the records, and the DB entries of the op) and the space's valid configs one knob step away from
+them, bounded (MAX_CANDIDATES); each is checked with `op.validate` (and the caller's usability
+test: pointer alignment), so the model never picks an invalid config.
+
+**Loading.** `load()`: $CKGEN_MODEL (a path; "off" disables the model), else a model fitted by
+the user beside the user DB (`python -m ckgen.costmodel fit`), else the packaged
+ckgen/data/costmodel.json. A missing or corrupt file gives one warning and no model: the
+dispatcher then serves the nearest tuned problem's winner, as before. Nothing here imports CuPy."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .ops import get_op
+from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
+
+FORMAT = "ckgen-costmodel"
+VERSION = 1
+from .settings import ENV_MODEL  # noqa: E402 - one place for every environment setting
+MAX_CANDIDATES = 512
+MIN_CANDIDATES = 24  # fewer usable within one knob step of the winners: look a step further
+MAX_STEPS = 3
+WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"
+KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
+
+# SMs (CUs) per arch, for the model's parallelism terms when no device is at hand: the
+# flagship part of each arch (an H100 SXM for sm_90). Others: DEFAULT_SMS.
+NUM_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_90a": 132, "sm_100": 148,
+           "sm_120": 170, "gfx90a": 104, "gfx942": 304, "gfx1100": 96}
+DEFAULT_SMS = 108
+
+# Host time of one call on the H100 host (bench/results/host_overhead-NVIDIA-H100-80GB-HBM3.json,
+# torch inputs): cuLaunchKernel's floor per launch (4.06 us), an output allocation, and the rest
+# of a call; within 3 us of the 10 measured ops' 9.5-26 us except groupnorm_bwd_gamma_beta (26).
+HOST = {"call_us": 4.0, "launch_us": 4.06, "alloc_us": 3.0}
+
+# The phi terms, their physical priors (the ridge pulls toward these) and meaning.
+TERMS: tuple[tuple[str, float, str], ...] = (
+    ("par", 0.8, "log of bytes in flight needed / in flight (0 when enough): Little's law"),
+    ("cov", 0.5, "log of SMs / SMs with a block (0 when every SM has one)"),
+    ("tail", 0.7, "log of the last wave's waste: ceil(waves) / waves"),
+    ("vec_nchw", 0.15, "log2(16 / vector bytes), NCHW"),
+    ("vec_nhwc", 0.05, "log2(16 / vector bytes), NHWC"),
+    ("sector", 0.7, "log of DRAM bytes fetched / used for the contiguous run a block reads (32-byte sectors)"),
+    ("reread", 0.5, "log(1 + bytes read again / bytes the op must move)"),
+    ("split", 0.02, "log2 of blocks sharing one slice (cluster or workspace merge)"),
+    ("scatter", 0.3, "pooling backward by scatter (zeroing + atomics)"),
+    ("small_work", 0.1, "log(256 / bytes per thread), when fewer"),
+    ("big_work", 0.1, "log(bytes per thread / 64 KiB), when more"),
+    ("threads", 0.0, "log2(threads / 256)"),
+    ("unroll", 0.0, "log2(vectors or positions per thread)"),
+    ("min_blocks", 0.0, "log2(min blocks per SM)"),
+    ("gpb", 0.0, "log2(groups per block), GroupNorm NHWC"),
+)
+TERM_NAMES = tuple(t[0] for t in TERMS)
+PRIOR = np.array([t[1] for t in TERMS])
+BW_BYTES_PER_US = 3.0e6  # the roofline's bandwidth (H100 HBM3 ~3.35 TB/s peak); intercepts absorb the rest
+FLOOR_GRID = (1.5, 2.5, 3.5, 4.5, 6.0)  # us per launch on the GPU (launch latency + ramp)
+NEED_GRID = (0.25e6, 0.5e6, 1e6, 2e6, 4e6, 8e6)  # bytes in flight the GPU needs to hide memory latency
+RIDGE = 40.0
+
+
+class ModelError(ValueError):
+    """A model file that cannot be used (the message says why)."""
+
+
+class ModelWarning(UserWarning):
+    """The cost model is unavailable (missing or corrupt file); the dispatcher uses nearest-tuned."""
+
+
+# ---------------------------------------------------------------------------------- features
+
+
+def num_sms(arch: str) -> int:
+    return NUM_SMS.get(arch, DEFAULT_SMS)
+
+
+def _main_launch(op: OpSpec, p: Problem, c: Config, launches: Sequence[Any]) -> Any:
+    """The launch that does the op's work: the one named as the instance, else its stats kernel."""
+    name = op.instance_name(p, c)
+    by_name = {l.kernel: l for l in launches}
+    return by_name.get(name) or by_name.get(f"{name}_stats") or launches[0]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the model sees of one (problem, config): everything but the fitted constants."""
+
+    launches: int
+    allocs: int  # per-call allocations: outputs, and a workspace too large to keep
+    log_roof: float  # log(us) of the bytes the op must move at BW_BYTES_PER_US
+    log_inflight: float  # log(bytes in flight over the GPU)
+    phi: tuple[float, ...]  # the TERMS but "par" (which needs the fitted knee): par slot is 0
+
+
+def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None = None) -> Geometry:
+    sms = sms or num_sms(target.arch)
+    d = c.as_dict()
+    item = DTYPES[p.dtype]["itemsize"]
+    launches = op.launches(p, c, target)
+    main = _main_launch(op, p, c, launches)
+    blocks = max(1, main.grid[0] * main.grid[1] * main.grid[2])
+    threads = max(1, main.block[0] * main.block[1] * main.block[2])
+    per_sm = max(d.get("min_blocks", 1), min(32, 2048 // threads, 65536 // (threads * _regs(op, p, c))))
+    conc = min(blocks, sms * per_sm)
+    need_bytes = op.min_bytes(p)
+    name = op.name
+    gn = name.startswith("groupnorm")
+    unroll = d["items"] if gn else d.get("th", 1) * d.get("tw", 1)
+    streams = 2 if name in ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta") else 1
+    vec_bytes = d["vec_bytes"]
+    if not gn and p.layout == "nchw" and name.endswith("_bwd"):
+        vec_bytes = item * (op.row_vec_elems(p, c) if getattr(op, "x_footprint")(p, c) else 1)
+    per_thread = need_bytes / (blocks * threads)
+    inflight = conc * threads * max(1.0, min(unroll * vec_bytes * streams, per_thread))
+    waves = blocks / (sms * per_sm)
+    phi = dict.fromkeys(TERM_NAMES, 0.0)
+    phi["cov"] = math.log(sms / min(sms, blocks))
+    phi["tail"] = math.log(math.ceil(waves) / waves) if waves > 1 else 0.0
+    narrow = math.log2(16 / max(1, vec_bytes))
+    phi["vec_nchw" if p.layout == "nchw" else "vec_nhwc"] = narrow
+    phi["small_work"] = max(0.0, math.log(256 / max(per_thread, 1e-3)))
+    phi["big_work"] = max(0.0, math.log(per_thread / 65536))
+    phi["threads"] = math.log2(threads / 256)
+    phi["unroll"] = math.log2(max(1, unroll))
+    phi["min_blocks"] = math.log2(d.get("min_blocks", 1))
+    x_bytes = p.N * p.C * p.H * p.W * item
+    # the contiguous run of bytes a block reads: a channel tile per pixel (NHWC), a slice or a
+    # row (NCHW); a run not a whole number of 32-byte sectors wastes the rest of its sectors
+    # (pooling reads whole rows or pixels of all channels: long runs)
+    if gn:
+        split = d["cluster"] if d.get("merge") == "cluster" else d.get("global_split", d.get("split", 1))
+        tile = d["groups_per_block"] * p.C // p.G
+        if p.layout == "nchw":
+            run = max(1, p.C // p.G * p.H * p.W // split) * item
+        elif tile < p.C:
+            run = tile * item
+        else:  # the tile spans every channel: the block's pixels are one contiguous run
+            run = max(1, p.H * p.W // split) * p.C * item
+        phi["sector"] = math.log(32 * (math.ceil(run / 32) + (1 if run % 32 else 0)) / run)
+    if name == "groupnorm_fwd":
+        if d["slice_in"] == "reload":
+            phi["reread"] = math.log1p(x_bytes / need_bytes)
+        phi["split"] = math.log2(d["cluster"] if d["merge"] == "cluster" else d["global_split"])
+        if p.layout == "nhwc":
+            phi["gpb"] = math.log2(d["groups_per_block"])
+    elif gn:
+        scheme = op.scheme(c)  # type: ignore[attr-defined]
+        if name != "groupnorm_bwd_gamma_beta" and scheme != "single_pass":
+            phi["reread"] = math.log1p(2 * x_bytes / need_bytes)
+        phi["split"] = math.log2(d["split"])
+        if p.layout == "nhwc":
+            phi["gpb"] = math.log2(d["groups_per_block"])
+    elif d.get("algo") == "scatter":
+        phi["scatter"] = 1.0
+    ws = op.workspace_bytes(p, c)
+    allocs = len(op.output_buffers(p)) + (1 if ws > KEEP_WS_BYTES else 0)
+    return Geometry(len(launches), allocs, math.log(max(need_bytes, 1) / BW_BYTES_PER_US), math.log(inflight),
+                    tuple(phi[n] for n in TERM_NAMES))
+
+
+def _regs(op: OpSpec, p: Problem, c: Config) -> int:
+    """Registers per thread, estimated as the ops' validate estimates them (at least 32)."""
+    d, item = c.as_dict(), DTYPES[p.dtype]["itemsize"]
+    est = getattr(op, "_regs_needed", None)
+    if est is not None and not op.name.startswith("groupnorm"):
+        try:
+            return max(32, int(est(p, c)))
+        except (KeyError, ValueError, ZeroDivisionError):
+            return 32
+    vec = d["vec_bytes"] // item
+    if op.name == "groupnorm_fwd":
+        regs = (d["items"] * vec * item // 4 if d["slice_in"] == "regs" else d["items"] * vec // 2) + 32
+        return regs + (3 * vec if p.layout == "nhwc" else 0)
+    single = op.scheme(c) == "single_pass"  # type: ignore[attr-defined]
+    regs = (2 * d["items"] * vec * item // 4 if single else 2 * d["items"] * vec) + 40
+    return regs + (7 * vec if p.layout == "nhwc" else 0)
+
+
+def _phi_matrix(geos: Sequence[Geometry], need: float) -> np.ndarray:
+    phi = np.array([g.phi for g in geos], dtype=np.float64).reshape(len(geos), len(TERM_NAMES))
+    phi[:, 0] = np.maximum(0.0, math.log(need) - np.array([g.log_inflight for g in geos]))
+    return phi
+
+
+# ---------------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class Prediction:
+    gpu_us: float
+    host_us: float
+
+    @property
+    def total_us(self) -> float:
+        """Time per call back to back: the GPU and the host overlap, the slower one sets the pace."""
+        return max(self.gpu_us, self.host_us)
+
+    def __str__(self) -> str:
+        where = "host-bound" if self.host_us > self.gpu_us else "GPU-bound"
+        return f"{self.total_us:.1f} us ({where}: GPU {self.gpu_us:.1f} us, host {self.host_us:.1f} us)"
+
+
+class CostModel:
+    """A fitted model (see the module doc). Build with `fit`, or `from_doc` of a saved file."""
+
+    def __init__(self, weights: Sequence[float], intercepts: dict[str, float], floor_us: float, need_bytes: float,
+                 host: dict[str, float], winners: dict[str, list[dict[str, Any]]], stats: dict[str, Any]):
+        self.weights = np.array(weights, dtype=np.float64)
+        self.intercepts = dict(intercepts)
+        self.floor_us, self.need_bytes = float(floor_us), float(need_bytes)
+        self.host = dict(host)
+        self.winners = {k: list(v) for k, v in winners.items()}
+        self.stats = dict(stats)
+        self._winner_configs: dict[str, list[Config]] = {}
+
+    # ---- file form ----
+    def to_doc(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "terms": list(TERM_NAMES),
+                "weights": [round(float(w), 6) for w in self.weights],
+                "intercepts": {k: round(v, 6) for k, v in sorted(self.intercepts.items())},
+                "floor_us": self.floor_us, "need_bytes": self.need_bytes, "bw_bytes_per_us": BW_BYTES_PER_US,
+                "host": self.host, "stats": self.stats,
+                "winners": {k: v for k, v in sorted(self.winners.items())}}
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> "CostModel":
+        """ModelError for anything but a well-formed model document of this version."""
+        try:
+            if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+                raise ModelError("not a ckgen cost model")
+            if doc.get("version") != VERSION:
+                raise ModelError(f"model version {doc.get('version')!r}; this ckgen reads {VERSION}")
+            if doc.get("terms") != list(TERM_NAMES):
+                raise ModelError("its terms differ from this ckgen's")
+            w = [float(x) for x in doc["weights"]]
+            if len(w) != len(TERM_NAMES):
+                raise ModelError("wrong number of weights")
+            inter = {str(k): float(v) for k, v in doc["intercepts"].items()}
+            host = {k: float(doc["host"][k]) for k in HOST}
+            floor_us, need = float(doc["floor_us"]), float(doc["need_bytes"])
+            nums = [*w, *inter.values(), *host.values(), floor_us, need]
+            if not all(math.isfinite(x) for x in nums) or floor_us < 0 or need <= 0:
+                raise ModelError("a constant is not finite or out of range")
+            winners = doc.get("winners") or {}
+            if not isinstance(winners, dict) or not all(
+                    isinstance(v, list) and all(isinstance(c, dict) for c in v) for v in winners.values()):
+                raise ModelError("'winners' is not a mapping of op -> list of configs")
+            return cls(w, inter, floor_us, need, host, winners, dict(doc.get("stats") or {}))
+        except ModelError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ModelError(f"malformed ({e.__class__.__name__}: {str(e)[:200]})") from None
+
+    def summary(self) -> str:
+        s = self.stats
+        return (f"{s.get('records', '?')} records of {s.get('problems', '?')} problems; floor {self.floor_us} us/launch, "
+                f"knee {self.need_bytes / 1e6:g} MB in flight; weights "
+                + ", ".join(f"{n}={w:.2f}" for n, w in zip(TERM_NAMES, self.weights)))
+
+    # ---- prediction ----
+    def predict_many(self, op: OpSpec, p: Problem, configs: Sequence[Config], target: Target) -> list[Prediction]:
+        geos = [geometry(op, p, c, target) for c in configs]
+        if not geos:
+            return []
+        phi = _phi_matrix(geos, self.need_bytes)
+        b = self.intercepts.get(op.name, float(np.mean(list(self.intercepts.values()) or [0.0])))
+        mem = np.exp(np.array([g.log_roof for g in geos]) + b + phi @ self.weights)
+        h = self.host
+        return [Prediction(g.launches * self.floor_us + float(m),
+                           h["call_us"] + h["launch_us"] * g.launches + h["alloc_us"] * g.allocs)
+                for g, m in zip(geos, mem)]
+
+    def predict(self, op: OpSpec, p: Problem, config: Config, target: Target) -> Prediction:
+        return self.predict_many(op, p, [config], target)[0]
+
+    def rank(self, op: OpSpec, p: Problem, configs: Sequence[Config], target: Target) -> list[tuple[Prediction, Config]]:
+        """Best first: lowest time per call, then lowest GPU time, then the config's key (ties are
+        broken the same way every run)."""
+        preds = self.predict_many(op, p, configs, target)
+        order = sorted(range(len(configs)), key=lambda i: (round(preds[i].total_us, 6), round(preds[i].gpu_us, 6),
+                                                          configs[i].key()))
+        return [(preds[i], configs[i]) for i in order]
+
+    def winner_configs(self, op: OpSpec) -> list[Config]:
+        """The recorded winners of this op and its siblings, as points of this op's space."""
+        if op.name not in self._winner_configs:
+            self._winner_configs[op.name] = related_winners(op, self.winners)
+        return self._winner_configs[op.name]
+
+    def choose(self, op: OpSpec, p: Problem, target: Target, usable: Callable[[Config], bool],
+               extra_winners: Iterable[Config] = ()) -> tuple[Config, Prediction, int] | None:
+        """The best-ranked candidate that `usable` accepts (it must include op.validate), its
+        prediction, and how many candidates were ranked; None if no candidate is usable."""
+        cands = candidates(op, p, target, [*extra_winners, *self.winner_configs(op)], usable)
+        if not cands:
+            return None
+        pred, config = self.rank(op, p, cands, target)[0]
+        return config, pred, len(cands)
+
+
+def neighbours(op: OpSpec, config: Config) -> list[Config]:
+    """Configs one knob step away (the previous or next value of one knob in the space)."""
+    params = op.space.params
+    d = config.as_dict()
+    out = []
+    for k, values in params.items():
+        try:
+            i = values.index(d[k])
+        except (KeyError, ValueError):
+            continue
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(values):
+                out.append(config.replace(**{k: values[j]}))
+    return out
+
+
+def candidates(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config],
+               usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES) -> list[Config]:
+    """The usable winners (and the space default), then the usable configs one knob step from
+    them; while fewer than MIN_CANDIDATES are usable, a step further (at most MAX_STEPS), at most
+    `limit` in all, in a fixed order. The valid config nearest the default when none is usable."""
+    seen: set[Config] = set()
+    ok: list[Config] = []
+    frontier = list(dict.fromkeys([*winners, op.space.default]))
+    for step in range(MAX_STEPS + 1):
+        nxt: list[Config] = []
+        for c in frontier:
+            if c in seen:
+                continue
+            seen.add(c)
+            if usable(c):
+                ok.append(c)
+                if len(ok) >= limit:
+                    return ok
+            nxt.append(c)
+        if step > 0 and len(ok) >= MIN_CANDIDATES:
+            break
+        frontier = [n for c in nxt for n in neighbours(op, c) if n not in seen]
+    if not ok:
+        d = op.space.nearest_default(usable)
+        if d is not None:
+            ok.append(d)
+    return ok
+
+
+def related_winners(op: OpSpec, winners: dict[str, list[dict[str, Any]]]) -> list[Config]:
+    """Winners of this op, then those of its siblings (the other GroupNorm backward ops; max and
+    average pooling of one direction) carried into this op's space: knobs it lacks dropped, knobs
+    they lack at the space default; kept only if a point of the space."""
+    params, default = op.space.params, op.space.default.as_dict()
+    fam = _family(op.name)
+    names = [op.name] + sorted(n for n in winners if n != op.name and _family(n) == fam)
+    out: list[Config] = []
+    for n in names:
+        for w in winners.get(n, []):
+            c = Config.of({k: w.get(k, default[k]) for k in params})
+            if c not in out and op.space.check(c):
+                out.append(c)
+    return out
+
+
+def _family(name: str) -> str:
+    if name.startswith("groupnorm_bwd"):
+        return "groupnorm_bwd"
+    if name.endswith("pool2d_fwd"):
+        return "pool2d_fwd"
+    if name.endswith("pool2d_bwd"):
+        return "pool2d_bwd"
+    return name
+
+
+# ---------------------------------------------------------------------------------- fitting
+
+
+def _usable_records(records: Iterable[dict[str, Any]]) -> list[tuple[dict[str, Any], OpSpec, Problem, Target, Config]]:
+    out = []
+    cache: dict[tuple[str, str], Problem] = {}
+    for r in records:
+        if not r.get("ok"):
+            continue
+        op = get_op(r["op"])
+        target = Target.named(r["arch"])
+        p = cache.get((r["op"], r["problem"]))
+        if p is None:
+            p = cache[(r["op"], r["problem"])] = op.problem_from_key(r["problem"])
+        c = Config.of(r["config"])
+        if op.validate(p, c, target):  # a config of an older space or rule: not what runs today
+            out.append((r, op, p, target, c))
+    return out
+
+
+def best_configs(records: Iterable[dict[str, Any]], per_problem: int = WINNERS_PER_PROBLEM) -> dict[str, list[dict[str, Any]]]:
+    """Per op, the best `per_problem` distinct configs of every recorded problem (fastest first,
+    problems in order of first appearance)."""
+    groups: dict[tuple[str, str, str], dict[Config, float]] = {}
+    for r in records:
+        if r.get("ok"):
+            g = groups.setdefault((r["op"], r["arch"], r["problem"]), {})
+            c = Config.of(r["config"])
+            g[c] = min(g.get(c, math.inf), float(r["time_us"]))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (op, _, _), times in groups.items():
+        lst = out.setdefault(op, [])
+        for c in sorted(times, key=lambda c: (times[c], c.key()))[:per_problem]:
+            if c.as_dict() not in lst:
+                lst.append(c.as_dict())
+    return out
+
+
+def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
+    """Fit the constants on records (see the module doc): for each (floor, knee) of a small grid,
+    ridge-regress the weights on within-problem differences of log(time - launches x floor) -
+    log(roofline), toward the priors; intercept per op; keep the grid point of least squared
+    log error. Deterministic."""
+    records = list(records)
+    rows = _usable_records(records)
+    if not rows:
+        raise ModelError("no usable record to fit on")
+    geos = [geometry(op, p, c, t) for _, op, p, t, c in rows]
+    t_obs = np.array([float(r["time_us"]) for r, *_ in rows])
+    n_l = np.array([g.launches for g in geos], dtype=np.float64)
+    roof = np.array([g.log_roof for g in geos])
+    ops = [op.name for _, op, *_ in rows]
+    group_of: dict[tuple[str, str, str], int] = {}
+    gid = np.array([group_of.setdefault((r["op"], r["arch"], r["problem"]), len(group_of)) for r, *_ in rows])
+    counts = np.bincount(gid)
+    wrow = 1.0 / np.sqrt(counts[gid])  # each problem weighs sqrt(its records): sweeps do not drown the rest
+    multi = counts[gid] > 1
+    best: tuple[float, CostModel] | None = None
+    for floor in FLOOR_GRID:
+        z = np.log(np.maximum(t_obs - n_l * floor, 0.25 * t_obs)) - roof
+        for need in NEED_GRID:
+            phi = _phi_matrix(geos, need)
+            zc, pc = _demean(z, gid), _demean_cols(phi, gid)
+            W = wrow * multi
+            A = pc.T @ (pc * W[:, None]) + ridge * np.eye(len(TERM_NAMES))
+            w = np.linalg.solve(A, pc.T @ (zc * W) + ridge * PRIOR)
+            resid = z - phi @ w
+            inter = {}
+            for name in sorted(set(ops)):
+                m = np.array([o == name for o in ops])
+                inter[name] = float(np.sum(resid[m] * wrow[m]) / np.sum(wrow[m]))
+            b = np.array([inter[o] for o in ops])
+            pred = np.log(n_l * floor + np.exp(roof + b + phi @ w))
+            loss = float(np.sum(wrow * (np.log(t_obs) - pred) ** 2) / np.sum(wrow))
+            if best is None or loss < best[0] - 1e-12:
+                stats = {"records": len(rows), "problems": len(group_of), "ridge": ridge,
+                         "rms_log_error": round(math.sqrt(loss), 4),
+                         "devices": sorted({r["device"] for r, *_ in rows})}
+                best = (loss, CostModel(w, inter, floor, need, HOST, best_configs(records), stats))
+    assert best is not None
+    return best[1]
+
+
+def _demean(v: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    sums = np.bincount(gid, weights=v)
+    return v - (sums / np.bincount(gid))[gid]
+
+
+def _demean_cols(m: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    return np.column_stack([_demean(m[:, j], gid) for j in range(m.shape[1])])
+
+
+def dumps(model: CostModel) -> str:
+    return json.dumps(model.to_doc(), indent=1, sort_keys=True) + "\n"
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def packaged_model_path() -> Path:
+    import importlib.resources
+
+    return Path(str(importlib.resources.files("ckgen") / "data" / "costmodel.json"))
+
+
+def user_model_path() -> Path:
+    """Where `python -m ckgen.costmodel fit` writes: beside the user DB."""
+    from . import settings
+
+    db = settings.user_db_path()
+    return db.with_name(f"{db.stem}.costmodel.json")
+
+
+def model_path() -> Path | None:
+    """The model file in use: $CKGEN_MODEL ("off": none), else the user's, else the packaged one."""
+    env = os.environ.get(ENV_MODEL, "")
+    if env.lower() in ("off", "0", "none"):
+        return None
+    if env:
+        return Path(env)
+    user = user_model_path()
+    return user if user.exists() else packaged_model_path()
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, int, int], CostModel | None] = {}
+_warned: set[str] = set()
+
+
+def load() -> CostModel | None:
+    """The model in use, or None (disabled, or its file missing or corrupt: one ModelWarning per
+    file, and the dispatcher falls back to nearest-tuned). Cached per file version."""
+    path = model_path()
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+        key = (str(path), st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = (str(path), -1, -1)
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        try:
+            if key[1] < 0:
+                raise ModelError("the file is missing")
+            model = CostModel.from_doc(json.loads(path.read_text(encoding="utf-8")))
+        except (ModelError, OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            model = None
+            if str(path) not in _warned:
+                _warned.add(str(path))
+                warnings.warn(f"ckgen cost model {path}: {str(e)[:300]}; unseen problems get the nearest tuned "
+                              "problem's winner instead", ModelWarning, stacklevel=3)
+        _loaded[key] = model
+        return model
+
+
+def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Callable[[Config], bool]) -> list[Config]:
+    """The model's `count` best candidates that `allowed` accepts (the tuner's first seeds);
+    none without a model."""
+    model = load()
+    if model is None or count <= 0:
+        return []
+    cands = candidates(op, p, target, model.winner_configs(op), lambda c: bool(allowed(c)))
+    return [c for _, c in model.rank(op, p, cands, target)[:count]]
+
+
+# ---------------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from . import records as recmod
+
+    ap = argparse.ArgumentParser(prog="python -m ckgen.costmodel", description="Fit the config cost model.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fit", help="fit on the shipped records and yours; write the model beside the user DB")
+    f.add_argument("--out", type=Path, default=None, help=f"model file (default: {user_model_path()})")
+    f.add_argument("--no-user", action="store_true", help="the shipped records only")
+    args = ap.parse_args(argv)
+    recs = recmod.all_records(include_user=not args.no_user)
+    model = fit(recs)
+    out = args.out or user_model_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(dumps(model))
+    print(f"wrote {out}: {model.summary()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True)
+class LooResult:
+    """One recorded problem held out: the model fit without its records picks among its
+    candidates that the records time; ratios are recorded time / the problem's recorded best."""
+
+    op: str
+    problem: str
+    recorded: int  # configs with a recorded time
+    candidates: int  # candidates with a recorded time
+    model: float  # the model's pick
+    oracle: float  # the best candidate (what a perfect ranking of the candidates would give)
+    nearest: float  # the nearest other recorded problem's winner (today's fallback), if recorded
+    default: float  # the space default (or the valid recorded config nearest it)
+
+
+def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50) -> list[LooResult]:
+    """For every problem with at least `min_recorded` timed configs (the exhaustive sweeps): fit
+    on every other problem's records, let the model pick among the candidates the records time,
+    and compare with the best recorded, the candidates' best, the nearest-tuned fallback and the
+    default."""
+    out = []
+    for (op_name, arch, key), recs in recmod_by_problem(records):
+        timed: dict[Config, float] = {}
+        for r in recs:
+            if r.get("ok"):
+                c = Config.of(r["config"])
+                timed[c] = min(timed.get(c, math.inf), float(r["time_us"]))
+        if len(timed) < min_recorded:
+            continue
+        op, target = get_op(op_name), Target.named(arch)
+        p = op.problem_from_key(key)
+        rest = [r for r in records if (r["op"], r["problem"]) != (op_name, key)]
+        model = fit(rest)
+        best = min(timed.values())
+        usable = lambda c: c in timed and bool(op.validate(p, c, target))  # noqa: E731
+        cands = candidates(op, p, target, model.winner_configs(op), usable)
+        pick = model.rank(op, p, cands, target)[0][1]
+        # today's fallback: the winner of the nearest other recorded problem whose winner is usable here
+        wins: dict[str, tuple[float, Config]] = {}
+        for r in rest:
+            if r["op"] == op_name and r["arch"] == arch and r.get("ok"):
+                t = float(r["time_us"])
+                if r["problem"] not in wins or t < wins[r["problem"]][0]:
+                    wins[r["problem"]] = (t, Config.of(r["config"]))
+        near = sorted(wins, key=lambda k: op.distance(p, op.problem_from_key(k)))
+        near_cfg = next((wins[k][1] for k in near if usable(wins[k][1])), None)
+        dflt = op.space.nearest_default(usable)
+        out.append(LooResult(op_name, key, len(timed), len(cands), timed[pick] / best,
+                             min(timed[c] for c in cands) / best,
+                             timed[near_cfg] / best if near_cfg is not None else math.nan,
+                             timed[dflt] / best if dflt is not None else math.nan))
+    return out
+
+
+def recmod_by_problem(records: Iterable[dict[str, Any]]):
+    from .records import by_problem
+
+    return by_problem(records)
+
+
+def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
+                  usable: Callable[[Config], bool]) -> tuple[Config, Prediction, int] | None:
+    """The dispatcher's question for a problem no usable DB entry covers: the model's best
+    candidate (the DB entries' winners of this op on this vendor, nearest problem first, join
+    the recorded ones), its prediction and the candidate count; None without a model."""
+    model = load()
+    if model is None:
+        return None
+    params = op.space.params
+    mine = [e for e in entries if e.op == op.name and e.vendor == target.vendor]
+    mine.sort(key=lambda e: (op.distance(p, op.problem_from_key(e.problem)), e.arch != target.arch, e.problem))
+    extra = []
+    for e in mine:
+        c = Config.of(e.config_dict())
+        if set(c.as_dict()) == set(params) and op.space.check(c):
+            extra.append(c)
+    return model.choose(op, p, target, lambda c: bool(usable(c)), extra)

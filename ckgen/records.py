@@ -1,0 +1,285 @@
+"""Tuning records: every measured (problem, config) of every tuning run, kept as data for the
+config cost model (ckgen/costmodel.py).
+
+A record is one JSON object per line (JSON Lines):
+
+    {"op": ..., "vendor": ..., "arch": ..., "device": ..., "problem": <problem key>,
+     "features": {<problem features, for reading; the model recomputes them from the key>},
+     "config": {...}, "ok": true, "time_us": 12.3,            # ok: verified and timed
+     "reason": "...",                                          # ok = false: why it failed
+     "phase": "trial" | "final" | "sweep" | "winner" | "default" | "bench",
+     "source": where it came from, "date": ISO 8601}
+
+`ckgen tune` appends a record per measured trial and per final-round re-timing to the records
+file beside the user DB (`user_records_path`), under a file lock, so concurrent tuners lose no
+line. The package ships `ckgen/data/records.jsonl.gz`, built by `tools/build_records.py` from
+what the repo holds: the exhaustive sweeps (bench/results/sweeps), the shipped DB's winners and
+default timings, and the suite benchmarks (bench/results/*.json), never the held-out problems
+(bench/heldout.yaml).
+
+Reading is tolerant: a malformed line is skipped, with one warning per file. Nothing here
+imports CuPy."""
+from __future__ import annotations
+
+import datetime as _dt
+import gzip
+import importlib.resources
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import filelock
+
+from .ops import get_op
+from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
+
+PHASES = ("trial", "final", "sweep", "winner", "default", "bench")
+LOCK_TIMEOUT_S = 60.0
+
+
+class RecordsWarning(UserWarning):
+    """Lines of a records file were skipped (malformed); the rest is in use."""
+
+
+def user_records_path() -> Path:
+    """The records file beside the user DB: `<db name>.records.jsonl`."""
+    from . import settings
+
+    db = settings.user_db_path()
+    return db.with_name(f"{db.stem}.records.jsonl")
+
+
+def packaged_records_path() -> Path:
+    return Path(str(importlib.resources.files("ckgen") / "data" / "records.jsonl.gz"))
+
+
+def problem_features(op: OpSpec, p: Problem) -> dict[str, Any]:
+    """What decides these kernels, of the problem alone (stored with each record for reading)."""
+    item = DTYPES[p.dtype]["itemsize"]
+    out: dict[str, Any] = {"dtype_bytes": item, "layout": p.layout, "N": p.N, "C": p.C, "HW": p.H * p.W,
+                           "min_bytes": op.min_bytes(p)}
+    if hasattr(p, "G"):
+        out.update(G=p.G, Cg=p.C // p.G, slices=p.N * p.G, slice_elems=p.C // p.G * p.H * p.W)
+    else:
+        out.update(planes=p.N * p.C, kernel=list(p.kernel), stride=list(p.stride), out_hw=p.OH * p.OW)
+    return out
+
+
+def make_record(op: OpSpec, p: Problem, target: Target, device: str, config: Config, *, ok: bool,
+                time_us: float | None = None, reason: str = "", phase: str = "trial", source: str = "tune",
+                date: str | None = None) -> dict[str, Any]:
+    rec: dict[str, Any] = {"op": op.name, "vendor": target.vendor, "arch": target.arch, "device": device,
+                           "problem": p.key(), "features": problem_features(op, p), "config": config.as_dict(),
+                           "ok": bool(ok), "phase": phase, "source": source,
+                           "date": date or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    if ok:
+        rec["time_us"] = round(float(time_us), 4)  # type: ignore[arg-type]
+    else:
+        rec["reason"] = reason[:300]
+    return rec
+
+
+def _checked(rec: Any) -> dict[str, Any]:
+    """`rec` if it is a usable record (ValueError otherwise); its problem key is canonical."""
+    if not isinstance(rec, dict):
+        raise ValueError("not an object")
+    for k in ("op", "arch", "device", "problem"):
+        if not isinstance(rec.get(k), str) or not rec[k]:
+            raise ValueError(f"field {k!r} missing or not a string")
+    op = get_op(rec["op"])
+    Target.named(rec["arch"])
+    rec["problem"] = op.problem_from_key(rec["problem"]).key()
+    cfg = rec.get("config")
+    if not isinstance(cfg, dict) or not all(isinstance(v, (int, float, str)) and not isinstance(v, bool)
+                                            for v in cfg.values()):
+        raise ValueError("field 'config' is not a mapping of scalars")
+    if not isinstance(rec.get("ok"), bool):
+        raise ValueError("field 'ok' is not a bool")
+    if rec["ok"]:
+        t = rec.get("time_us")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError("field 'time_us' is not a positive number")
+    return rec
+
+
+def read(path: Path | str) -> list[dict[str, Any]]:
+    """The records of a file (.jsonl, or .jsonl.gz); missing file: none. Malformed lines are
+    skipped with one RecordsWarning for the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    if path.suffix == ".gz":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            warnings.warn(f"ckgen records {path}: not readable ({e}); not used", RecordsWarning, stacklevel=2)
+            return []
+    out, bad, first = [], 0, ""
+    for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(_checked(json.loads(line)))
+        except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+            bad += 1
+            first = first or f"line {n}: {str(e)[:200]}"
+    if bad:
+        warnings.warn(f"ckgen records {path}: skipped {bad} malformed line(s) (first: {first})",
+                      RecordsWarning, stacklevel=2)
+    return out
+
+
+def append(path: Path | str, records: Iterable[dict[str, Any]]) -> None:
+    """Append records to a .jsonl file under its lock (concurrent tuners lose no line)."""
+    lines = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records)
+    if not lines:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_gz(path: Path | str, records: Iterable[dict[str, Any]]) -> None:
+    """Write records as gzipped JSON Lines, byte-for-byte deterministic (no name or time in the
+    gzip header)."""
+    text = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records)
+    Path(path).write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
+
+
+def all_records(include_user: bool = True) -> list[dict[str, Any]]:
+    """The shipped records, then the user's (what `python -m ckgen.costmodel fit` trains on)."""
+    out = read(packaged_records_path())
+    if include_user:
+        out += read(user_records_path())
+    return out
+
+
+class Recorder:
+    """What `tune.tune_problem` hands the search: appends a record per measured config."""
+
+    def __init__(self, op: OpSpec, problem: Problem, target: Target, device: str, path: Path | None = None):
+        self.op, self.problem, self.target, self.device = op, problem, target, device
+        self.path = path or user_records_path()
+        self.failed: str | None = None  # why the records file could not be written, if so
+
+    def __call__(self, config: Config, time_us: float | None, reason: str = "", phase: str = "trial") -> None:
+        rec = make_record(self.op, self.problem, self.target, self.device, config, ok=time_us is not None,
+                          time_us=time_us, reason=reason, phase=phase)
+        try:
+            append(self.path, [rec])
+        except (OSError, filelock.Timeout) as e:  # records are a by-product: never fail a tuning run
+            if self.failed is None:
+                self.failed = str(e)
+                warnings.warn(f"ckgen records {self.path}: not written ({e}); tuning goes on",
+                              RecordsWarning, stacklevel=2)
+
+
+# ------------------------------------------------------------------------ the shipped records
+
+
+def _config_of_instance(op: OpSpec, p: Problem, target: Target, instance: str) -> Config | None:
+    """The valid config whose instance name is `instance` (benchmarks record only the name)."""
+    for c in op.space.enumerate():
+        if op.validate(p, c, target) and op.instance_name(p, c) == instance:
+            return c
+    return None
+
+
+def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
+    """The records the package ships, from the repo's measurements (see the module doc):
+    sweeps (every config measured), the shipped DB (winner and default of each problem), and
+    the suite benchmarks (ckgen's pick per shape). Held-out problems are dropped. Sorted, so a
+    rebuild gives the same file."""
+    from . import db as dbmod
+    from .replay import load_sweep
+
+    repo = Path(repo)
+    heldout = _heldout_keys(repo)
+    out: list[dict[str, Any]] = []
+    for path in sorted((repo / "bench" / "results" / "sweeps").glob("sweep-*.json")):
+        sw = load_sweep(path)
+        src = f"bench/results/sweeps/{path.name}"
+        for cfg, t in sw.times.items():
+            out.append(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=True, time_us=t,
+                                   phase="sweep", source=src, date="2025-01-01T00:00:00+00:00"))
+        for cfg, why in sw.failed.items():
+            out.append(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=False, reason=why,
+                                   phase="sweep", source=src, date="2025-01-01T00:00:00+00:00"))
+    shipped = dbmod.InstanceDB.load(repo / "ckgen" / "data" / "instances.yaml")
+    for e in shipped.entries:
+        op, target = get_op(e.op), Target.named(e.arch)
+        p = op.problem_from_key(e.problem)
+        date = e.date or "2025-01-01T00:00:00+00:00"
+        out.append(make_record(op, p, target, e.device, Config.of(e.config_dict()), ok=True, time_us=e.time_us,
+                               phase="winner", source="ckgen/data/instances.yaml", date=date))
+        if e.default_time_us > 0:
+            # the tuner's "default": the space default, or the valid config nearest it
+            d = op.space.nearest_default(lambda c: bool(op.validate(p, c, target)))
+            if d is not None:
+                out.append(make_record(op, p, target, e.device, d, ok=True, time_us=e.default_time_us,
+                                       phase="default", source="ckgen/data/instances.yaml", date=date))
+    for path in sorted((repo / "bench" / "results").glob("*.json")):
+        if path.name.startswith(("heldout", "host_overhead", "models")):
+            continue  # held-out problems; host-only timings; whole-model timings
+        doc = json.loads(path.read_text())
+        device, arch = doc.get("device", ""), "sm_90" if "H100" in str(doc.get("device", "")) else None
+        if not arch or not isinstance(doc.get("rows"), list):
+            continue
+        target = Target.named(arch)
+        default_op = path.name.split("-")[0]
+        for row in doc["rows"]:
+            name = row.get("op", default_op)
+            if name not in {o.name for o in _ops()} or "instance" not in row or "ckgen_us" not in row:
+                continue
+            op = get_op(name)
+            p = op.problem_from_key(row["problem"])
+            cfg = _config_of_instance(op, p, target, row["instance"])
+            if cfg is None:  # an instance of an older space: its config is not known today
+                continue
+            out.append(make_record(op, p, target, device, cfg, ok=True, time_us=float(row["ckgen_us"]),
+                                   phase="bench", source=f"bench/results/{path.name}",
+                                   date="2026-11-23T00:00:00+00:00"))
+    out = [r for r in out if (r["op"], r["problem"]) not in heldout]
+    out.sort(key=lambda r: (r["op"], r["arch"], r["problem"], r["phase"], json.dumps(r["config"], sort_keys=True),
+                            r.get("time_us", 0.0), r["source"]))
+    return out
+
+
+def _ops() -> list[OpSpec]:
+    from .ops import all_ops
+
+    return all_ops()
+
+
+def _heldout_keys(repo: Path) -> set[tuple[str, str]]:
+    """(op, problem key) of every held-out problem of bench/heldout.yaml."""
+    import importlib.util
+
+    path = repo / "bench" / "heldout.py"
+    if not path.exists():
+        return set()
+    spec = importlib.util.spec_from_file_location("_ckgen_heldout", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    keys = set()
+    for case in mod.load_cases(repo / "bench" / "heldout.yaml"):
+        op, p = mod.problem_of(case)
+        keys.add((op.name, p.key()))
+    return keys
+
+
+def by_problem(records: Iterable[dict[str, Any]]) -> Iterator[tuple[tuple[str, str, str], list[dict[str, Any]]]]:
+    """Records grouped by (op, arch, problem), in first-seen order."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["op"], r["arch"], r["problem"]), []).append(r)
+    yield from groups.items()

@@ -1,4 +1,4 @@
-"""`ckgen tune | retune | generate | bench | list | db show | db export | db where`.
+"""`ckgen tune | retune | generate | bench | list | db show | db export | db where | db pull | db merge`.
 
 Every option is checked before anything runs (and before the GPU check): a bad one ends the
 command with one line naming it, exit code 2, never a traceback. Tables print as `--format
@@ -63,6 +63,15 @@ def _seconds(text: str) -> float:
     if not v > 0 or math.isnan(v):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return v
+
+
+def _workers(text: str) -> int | str:
+    from .workers import parse_workers
+
+    try:
+        return parse_workers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _csv_ints(text: str) -> list[int]:
@@ -157,6 +166,13 @@ def _check_problem_options(op: Any, args: argparse.Namespace) -> None:
             raise UsageError(f"{flag}: {op.name} takes no {flag} (it is an option of {', '.join(takers)})")
         if not args.shape and dest != "activation":
             raise UsageError(f"{flag}: needs --shape (without --shape, tune runs the default problems of {op.name})")
+    if getattr(args, "grid", None) is not None:
+        if args.shape:
+            raise UsageError("--grid: give either --grid or --shape, not both")
+        names = op.grid_names()
+        if args.grid not in names:
+            raise UsageError(f"--grid: {op.name} has no grid {args.grid!r}; its grids: {', '.join(names)} "
+                             f"(tuning_spaces/{op.name}.yaml)")
 
 
 def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
@@ -164,6 +180,8 @@ def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
         if args.shape:
             return op.problems_from_cli(args)
         acts = [args.activation] if getattr(args, "activation", None) else None
+        if getattr(args, "grid", None):
+            return op.grid_problems(args.grid, args.dtype, args.layout, acts)
         return op.default_problems(args.dtype, args.layout, acts)
     except ValueError as e:
         text = str(e)
@@ -218,6 +236,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .target import device_info
     from .tune import StudyStorageError, db_entry, tune_problem
 
+    if args.workers is not None:
+        return _tune_workers(args, op, problems, db_path)
     fmt = resolve(args.format, console)
     info_out = _info(fmt)
     info = device_info(None)
@@ -266,6 +286,91 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0 if len(results) == len(problems) else 1
 
 
+def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_path: Path) -> int:
+    """`ckgen tune ... --workers N|auto`: worker processes (ckgen/workers.py), one bar per worker
+    and a total, then the table of every problem's result (from the storage: those another
+    machine's workers finished too)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    from . import settings, workers as wk
+
+    fmt = resolve(args.format, console)
+    info_out = _info(fmt)
+    devices = wk.visible_devices()
+    n = len(devices) if args.workers == "auto" else args.workers
+    if n < 1:
+        raise _no_gpu("--workers auto found no GPU")
+    storage = args.storage or settings.study_storage_url()
+    spec = wk.RunSpec(op.name, tuple(p.key() for p in problems), args.trials, storage, timeout=args.timeout,
+                      total_timeout=args.total_timeout, seed=args.seed, sampler=args.sampler, db=str(db_path),
+                      backend=wk.backend_factory())
+    pins = [devices[i % len(devices)] for i in range(n)] if devices else []
+    info_out.print(f"tuning {plural(len(problems), 'problem')} of {op.name} with {plural(n, 'worker')}"
+                   + (f" (CUDA_VISIBLE_DEVICES {', '.join(pins)})" if pins else "")
+                   + f"; DB {db_path}; study storage {storage}", markup=False)
+    if devices and n > len(devices):
+        info_out.print(f"[yellow]{n} workers share {plural(len(devices), 'GPU')}: their timings disturb each other[/]")
+    key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))
+    done: dict[str, int] = {}
+    with Progress(key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
+        total = bar.add_task(f"total ({plural(len(problems), 'problem')})", total=len(problems) * args.trials, best="")
+        tasks = [bar.add_task(f"worker {i}: starting", total=args.trials, best="") for i in range(n)]
+
+        def on_event(ev: tuple[Any, ...], procs: Any) -> None:
+            kind, i = ev[0], ev[1]
+            if kind == "problem":
+                bar.update(tasks[i], description=f"worker {i}: {ev[2]}", completed=0, total=ev[3], best="")
+            elif kind == "trial":
+                key, run_done, budget, best = ev[2:6]
+                bar.update(tasks[i], completed=run_done, total=budget,
+                           best=f"best {best:.1f} us" if best < float("inf") else "")
+                done[key] = max(done.get(key, 0), run_done)
+                bar.update(total, completed=sum(done.values()))
+            elif kind == "result":
+                done[ev[2]] = max(done.get(ev[2], 0), ev[3].get("trials", 0))
+                bar.update(total, completed=sum(done.values()))
+            elif kind == "exit" and ev[2] != 0:
+                why = f"signal {-ev[2]}" if ev[2] < 0 else f"exit code {ev[2]}"
+                info_out.print(f"[yellow]worker {i} died ({why}); its running trials are failed after "
+                               f"{wk.tune.GRACE_S} s and measured again by the others[/]")
+                bar.update(tasks[i], description=f"worker {i}: died ({why})")
+            elif kind == "error":
+                err.print(f"worker {i}: {ev[2] + ': ' if ev[2] else ''}{ev[3]}", markup=False)
+            elif kind == "skip":
+                err.print(f"{ev[2]}: {ev[3]}", markup=False)
+
+        report = wk.run_workers(spec, n, pins or None, on_event=on_event)
+    devices_seen = sorted({name for name, _ in report.results} | {w.name for w in report.workers if w.name})
+    several = len(devices_seen) > 1
+    sheet = _result_sheet(f"{op.name} on {', '.join(devices_seen) or 'no device'}",
+                          (Col("device", ident=True),) if several else ())
+    ok = 0
+    for (device, key), r in sorted(report.results.items()):
+        if "error" in r:
+            err.print(f"{key}: {r['error']}", markup=False)
+            continue
+        ok += 1
+        speedup = r.get("speedup_vs_default")
+        row = [key, r["instance"], r["time_us"], r["spread"], r["gbps"], r["efficiency"],
+               float("nan") if speedup is None else speedup, r["failed"]]
+        sheet.add(*(([device] if several else []) + row))
+    fatal = [w for w in report.workers if w.error]
+    for w in fatal:
+        err.print(f"worker {w.index}: {w.error.splitlines()[0]}", markup=False)
+    emit(console, fmt, [sheet], {"op": op.name, "devices": devices_seen, "db": str(db_path), "storage": storage,
+                                 "workers": n, "seconds": round(report.seconds, 1),
+                                 "died": [w.index for w in report.died]})
+    wrote = sum(1 for r in report.results.values() if r.get("db"))
+    info_out.print(f"{plural(ok, 'problem')} tuned in {report.seconds:.0f} s; this machine's workers wrote "
+                   f"{plural(wrote, 'entry', 'entries')} to {db_path}", markup=False)
+    if fatal and all(w.exitcode == wk.STORAGE_EXIT for w in report.workers):  # the storage failed them all
+        raise UsageError(f"--storage: {fatal[0].error.splitlines()[0]}")
+    want = len(problems) * max(1, len(devices_seen))
+    return 0 if ok == want else 1
+
+
 # ------------------------------------------------------------------ list, db show / export / where
 
 
@@ -309,6 +414,57 @@ def cmd_db_export(args: argparse.Namespace) -> int:
     from . import db as dbmod
 
     dbmod.export_csv(_layers(args)[3], sys.stdout)
+    return 0
+
+
+def cmd_db_pull(args: argparse.Namespace) -> int:
+    """DB entries from the finished studies of a storage (another machine's workers' winners)."""
+    from . import db as dbmod
+    from .tune import StudyStorageError
+    from .workers import pull_entries
+
+    path = _user_db(args)
+    _check_storage(args.storage)
+    fmt = resolve(args.format, console)
+    try:
+        pulled = pull_entries(args.storage)
+    except StudyStorageError as e:
+        raise UsageError(f"--storage: {e}") from None
+    if pulled.entries:
+        dbmod.save_entries(path, pulled.entries)
+    sheet = Sheet("entries", f"pulled from {args.storage} ({plural(len(pulled.entries), 'entry', 'entries')})", (
+        Col("op", ident=True), Col("arch", ident=True), Col("device"), Col("problem", ident=True, wide=True),
+        Col("instance", ident=True, wide=True), Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
+        Col("host", ident=True), Col("trials", number=True)))
+    for e in sorted(pulled.entries, key=lambda e: e.ident):
+        prov = e.provenance_dict()
+        sheet.add(e.op, e.arch, e.device, e.problem, e.instance, e.time_us, str(prov.get("host", "")),
+                  prov.get("trials", 0))
+    emit(console, fmt, [sheet], {"db": str(path), "storage": args.storage, "skipped": pulled.skipped})
+    for why in pulled.skipped:
+        _info(fmt).print(f"skipped {why}", markup=False)
+    _info(fmt).print(f"wrote {plural(len(pulled.entries), 'entry', 'entries')} to {path}", markup=False)
+    return 0
+
+
+def cmd_db_merge(args: argparse.Namespace) -> int:
+    """Merge DB files: per (op, arch, problem), the verified then faster entry; ties by date."""
+    from . import db as dbmod
+
+    out = Path(args.output)
+    if out.is_dir():
+        raise UsageError(f"-o: {out} is a directory; name the DB file")
+    dbs = []
+    for name in args.dbs:
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"{name}: no such DB file")
+        dbs.append(dbmod.InstanceDB.load(path))  # strict: a corrupt file is a DBError (exit 2)
+    merged = dbmod.merge_faster(*dbs)
+    dbmod.write_db(out, merged.entries)
+    console.print(f"wrote {plural(len(merged.entries), 'entry', 'entries')} to {out} (from "
+                  f"{plural(sum(len(d.entries) for d in dbs), 'entry', 'entries')} in {plural(len(dbs), 'file')})",
+                  markup=False)
     return 0
 
 
@@ -596,6 +752,13 @@ def parser() -> argparse.ArgumentParser:
                     "layout\nunless --dtype/--layout narrow it). With --shape, one problem per dtype x layout.")
     t.add_argument("op", metavar="OP", choices=op_names, help=f"the op to tune: one of {', '.join(op_names)}")
     t.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
+    t.add_argument("--grid", metavar="NAME",
+                   help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml: default, broad; "
+                        "default: the default problems)")
+    t.add_argument("--workers", type=_workers, metavar="N|auto",
+                   help="N worker processes sharing the problems and the study storage; auto: one per visible "
+                        "GPU, each pinned with CUDA_VISIBLE_DEVICES (default: one process, no workers); "
+                        "--trials/--timeout/--total-timeout then hold for the whole run")
     t.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"],
                    help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
     t.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
@@ -661,6 +824,15 @@ def parser() -> argparse.ArgumentParser:
     where = dsub.add_parser("where", help="the resolved cache dir, user DB, shipped DB, and which entries come "
                                           "from which")
     _common(where, "ckgen db where", cmd_db_where, fmt=True)
+    pull = dsub.add_parser("pull", help="DB entries from the finished studies of an optuna storage (the winners "
+                                        "of `tune --workers` runs on other machines)")
+    pull.add_argument("--storage", required=True, help="optuna storage URL, e.g. postgresql://user@host/ckgen")
+    _common(pull, "ckgen db pull", cmd_db_pull, fmt=True)
+    merge = dsub.add_parser("merge", help="merge DB files: per problem and arch the faster verified entry wins, "
+                                          "ties by date")
+    merge.add_argument("dbs", nargs="+", metavar="DB", help="DB files (YAML)")
+    merge.add_argument("-o", "--output", required=True, help="the merged DB file (replaced)")
+    merge.set_defaults(fn=cmd_db_merge, prog="ckgen db merge")
     return p
 
 

@@ -715,6 +715,48 @@ def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
     return removed
 
 
+def entry_verified(e: Entry) -> bool:
+    """Does the entry hold for today's templates: its config validates for its problem on its
+    arch, and renders to the source it was tuned with (`source_sha256`)?"""
+    from .instance import render_instance
+    from .ops import get_op
+    from .types import Config, Target
+
+    try:
+        op = get_op(e.op)
+        return render_instance(op, op.problem_from_key(e.problem), Config.of(e.config_dict()),
+                               Target.named(e.arch)).sha256 == e.source_sha256
+    except (ValueError, TypeError, KeyError):
+        return False
+
+
+def merge_faster(*dbs: InstanceDB, verified: Callable[[Entry], bool] = entry_verified) -> InstanceDB:
+    """One entry per (op, arch, problem) from several DBs, the same whatever their order: a
+    verified entry (`entry_verified`) beats an unverified one, then the faster (`time_us`) wins,
+    then the later date; a full tie goes to the entry whose YAML text sorts first."""
+    import json
+
+    best: dict[Ident, tuple[Any, Entry]] = {}
+    for db in dbs:
+        for e in db.entries:
+            when = _iso_key(e.date) if e.date else None
+            stamp = when.timestamp() if when is not None else -math.inf
+            rank = (not verified(e), e.time_us, -stamp, json.dumps(e.to_dict(), sort_keys=True))
+            if e.ident not in best or rank < best[e.ident][0]:
+                best[e.ident] = (rank, e)
+    return InstanceDB(tuple(e for _, e in best.values()))
+
+
+def write_db(path: Path | str, entries: Iterable[Entry]) -> None:
+    """Write a DB file holding exactly `entries` (replacing what is there), under its lock, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(path):
+        _clean_temps(path)
+        _write_atomic(path, _dump(sorted(entries, key=_sort_key)))
+    _changed()
+
+
 def packaged_db_path() -> Path:
     """The DB file inside the package (winners measured on our GPUs)."""
     return Path(str(importlib.resources.files("ckgen") / "data" / "instances.yaml"))

@@ -132,3 +132,65 @@ def sweeps(folder: Path | str) -> list[Sweep]:
     its best is not the exhaustive best)."""
     return [load_sweep(p) for p in sorted(Path(folder).glob("sweep-*.json"))
             if json.loads(p.read_text()).get("complete", True)]
+
+
+class ReplayBackend:
+    """A `ckgen.workers` backend with no GPU: every problem's times come from `time_of(problem_key,
+    config)` (None: the config fails), optionally on the configs `restrict_to(problem_key, config)`
+    accepts. Each measurement sleeps `delay` seconds (a stand-in for the GPU's time) and, with
+    `log_dir`, is appended to `<log_dir>/measure-<pid>.jsonl` first (so a test knows what each
+    worker measured, even one that was killed). Picklable when its callables are module-level."""
+
+    def __init__(self, time_of: Callable[[str, Config], float | None],
+                 restrict_to: Callable[[str, Config], bool] | None = None, arch: str = "sm_90",
+                 device: str = "replayed GPU", delay: float = 0.0, log_dir: str | None = None):
+        from .target import DeviceInfo
+
+        self.time_of, self.restrict_to, self.delay, self.log_dir = time_of, restrict_to, delay, log_dir
+        self.info = DeviceInfo(Target.named(arch), device, 132, 50 * 2**20)
+
+    def __call__(self) -> "ReplayBackend":  # the backend factory of a RunSpec
+        return self
+
+    def evaluator(self, op: OpSpec, problem: Problem) -> ReplayEvaluator:
+        key, backend = problem.key(), self
+
+        class _Logged(ReplayEvaluator):
+            def measure(self, config: Config) -> Measured:
+                if backend.log_dir:
+                    import os
+
+                    line = json.dumps({"pid": os.getpid(), "problem": key, "config": config.key()})
+                    with open(Path(backend.log_dir) / f"measure-{os.getpid()}.jsonl", "a") as f:
+                        f.write(line + "\n")
+                        f.flush()
+                if backend.delay:
+                    import time
+
+                    time.sleep(backend.delay)
+                return super().measure(config)
+
+        return _Logged(lambda c: self.time_of(key, c), instance=lambda c: op.instance_name(problem, c))
+
+    def restrict(self, op: OpSpec, problem: Problem) -> Callable[[Config], bool] | None:
+        if self.restrict_to is None:
+            return None
+        key, fn = problem.key(), self.restrict_to
+        return lambda c: fn(key, c)
+
+    def recorder(self, op: OpSpec, problem: Problem) -> None:
+        return None
+
+    def model_seeds(self, op: OpSpec, problem: Problem, trials: int) -> tuple[Config, ...]:
+        return ()
+
+    def copy(self, op: OpSpec, problem: Problem) -> Timing:
+        return Timing(1.0, 1.0, 1.0, 1)
+
+    def provenance(self, result: Any) -> dict[str, Any]:
+        import datetime as dt
+
+        from . import __version__
+
+        return {"ckgen": __version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "trials": result.trials, "tuning_seconds": round(result.seconds, 1), "source": "replay"}

@@ -43,6 +43,8 @@ class Space:
     constraints: tuple[Constraint, ...]
     default: Config
     default_problems: dict[str, Any]
+    # Named problem lists (`ckgen tune OP --grid NAME`), each in the form of default_problems.
+    grids: dict[str, Any] = field(default_factory=dict, compare=False)
     # Memo of check() results and the enumeration (a space is immutable once built).
     _memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -109,7 +111,7 @@ def _parse(doc: dict[str, Any]) -> Space:
     algo = tuple((k, tuple(v)) for k, v in params.get("algo", {}).items())
     constraints = tuple(Constraint(c["expr"], c["reason"]) for c in doc.get("constraints", []))
     space = Space(doc["op"], tile, algo, constraints, Config.of(doc["default"]),
-                  doc.get("default_problems", {}))
+                  doc.get("default_problems", {}), dict(doc.get("grids") or {}))
     ok = space.check(space.default)
     if not ok:
         raise ValueError(f"tuning space {doc['op']}: default config is invalid: {ok.reason}")

@@ -149,10 +149,13 @@ def storage_problem(url: str) -> str | None:
 
 def open_storage(storage: Any) -> Any:
     """An optuna storage for a URL: heartbeats on; for SQLite, a generous busy timeout, and the
-    schema created under a file lock (concurrent first runs on a fresh file raced on it). Other
+    schema created under a file lock (concurrent first runs on a fresh file raced on it); for
+    PostgreSQL, under an advisory lock. Other
     values (None: in memory, a storage object) are returned as they are."""
     if not isinstance(storage, str):
         return storage
+    import contextlib
+
     import filelock
     import optuna
 
@@ -166,7 +169,9 @@ def open_storage(storage: Any) -> Any:
                 kw["engine_kwargs"] = {"connect_args": {"timeout": SQLITE_BUSY_S}}
                 with filelock.FileLock(f"{path}.lock", timeout=SQLITE_BUSY_S):
                     return optuna.storages.RDBStorage(storage, **kw)
-            return optuna.storages.RDBStorage(storage, **kw)
+            lock = _claim_lock(storage, "ckgen schema")  # PostgreSQL: first runs race on the schema too
+            with lock if isinstance(lock, _PgAdvisoryLock) else contextlib.nullcontext():
+                return optuna.storages.RDBStorage(storage, **kw)
     except (*_storage_errors(), filelock.Timeout, OSError) as e:
         raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: {e}") from None
 
@@ -177,18 +182,72 @@ def _beats(storage: Any) -> bool:
     return bool(interval and interval() is not None and hasattr(storage, "record_heartbeat"))
 
 
-def _claim_lock(storage: Any) -> Any:
-    """Tuners sharing a SQLite study file take this lock to propose, so that two never pick one
-    config. Other storages have no such lock: there, two tuners racing may measure one config
-    twice (a later trial that sees an earlier holder of its config is dropped, but a check
-    after the fact does not catch every race)."""
+def _claim_lock(storage: Any, name: str = "") -> Any:
+    """Tuners sharing a study take this lock to propose, so that two never pick one config:
+    on a SQLite file, a file lock beside it (`<file>.propose.lock`, one for every study of the
+    file); on PostgreSQL, an advisory lock keyed by the study `name` (`_PgAdvisoryLock`),
+    which the server drops with the connection of a tuner that died. Other storages have no
+    such lock: there, two tuners racing may measure one config twice (a later trial that sees
+    an earlier holder of its config is dropped, but a check after the fact does not catch
+    every race)."""
     import contextlib
 
     import filelock
 
-    if isinstance(storage, str) and storage.startswith("sqlite:///"):
-        return filelock.FileLock(f"{storage[len('sqlite:///'):]}.propose.lock", timeout=SQLITE_BUSY_S)
+    url = storage if isinstance(storage, str) else getattr(storage, "url", None)  # a URL or an RDBStorage
+    if isinstance(url, str) and url.startswith("sqlite:///"):
+        return filelock.FileLock(f"{url[len('sqlite:///'):]}.propose.lock", timeout=SQLITE_BUSY_S)
+    if isinstance(url, str) and url.startswith(("postgresql:", "postgresql+", "postgres:")):
+        return _PgAdvisoryLock(url, name)
     return contextlib.nullcontext()
+
+
+_pg_engines: dict[str, Any] = {}
+
+
+class _PgAdvisoryLock:
+    """`pg_advisory_lock` on a 64-bit key hashed from `name`, held on a connection of its own
+    for the duration of a `with` block. Waits at most SQLITE_BUSY_S (`lock_timeout`); a tuner
+    killed while holding it loses its connection, and the server releases the lock with it."""
+
+    def __init__(self, url: str, name: str):
+        import hashlib
+
+        self.url = url
+        self.key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
+        self.conn: Any = None
+
+    def __enter__(self) -> "_PgAdvisoryLock":
+        import sqlalchemy
+
+        engine = _pg_engines.get(self.url)
+        if engine is None:
+            engine = _pg_engines[self.url] = sqlalchemy.create_engine(self.url, pool_size=1, max_overflow=4,
+                                                                      pool_pre_ping=True)
+        conn = engine.connect()
+        try:
+            conn.exec_driver_sql(f"SET lock_timeout = '{int(SQLITE_BUSY_S * 1000)}ms'")
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": self.key})
+            conn.commit()
+        except BaseException:
+            conn.invalidate()
+            conn.close()
+            raise
+        self.conn = conn
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import sqlalchemy
+
+        conn, self.conn = self.conn, None
+        try:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
+            conn.commit()
+        except BaseException:
+            conn.invalidate()  # a connection that may still hold the lock is closed, never pooled
+            raise
+        finally:
+            conn.close()
 
 
 class _Heartbeat:
@@ -374,7 +433,7 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
            ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
            warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None,
            device: str = "", model_seeds: tuple[Config, ...] = (),
-           record: Callable[..., None] | None = None) -> tuple[Any, Config]:
+           record: Callable[..., None] | None = None, run: Any = None) -> tuple[Any, Config]:
     """The search loop, apart from the device. `ev.start(configs)` begins compiling configs
     without waiting; `ev.measure(config)` returns a Measured or raises TrialFailed. Returns the
     optuna study and the default config (measured first, after any `warm` configs).
@@ -391,6 +450,9 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
     - `storage`: None (in memory), an optuna storage, or a URL (`open_storage`). Several tuners
       may share one study: each proposes configs no other holds, and the trials of a tuner that
       died are failed after GRACE_S and their configs proposed again.
+    - `run`: a budget shared with other tuners (ckgen/workers.py): `run.allow(study)`, asked under
+      the propose lock before each proposal, says whether the shared budget has room for one more
+      trial; `run.tag(trial)`, still under the lock, marks the trial as the run's.
     Storage failures raise StudyStorageError."""
     import filelock
     import optuna
@@ -403,7 +465,8 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
             return _search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout,
                            storage=open_storage(storage), seed=seed, sampler=sampler, ahead=ahead,
                            on_trial=on_trial, warm=warm, restrict=restrict, device=device,
-                           claims=_claim_lock(storage), model_seeds=model_seeds, record=record)
+                           claims=_claim_lock(storage, study_name(op, problem, target, device)),
+                           model_seeds=model_seeds, record=record, run=run)
     except (*_storage_errors(), filelock.Timeout) as e:
         raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -413,7 +476,8 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
             timeout: float | None, storage: Any, seed: int, sampler: str | None, ahead: int,
             on_trial: Callable[[int, int, float], None] | None, warm: tuple[Config, ...],
             restrict: Callable[[Config], bool] | None, device: str, claims: Any,
-            model_seeds: tuple[Config, ...] = (), record: Callable[..., None] | None = None) -> tuple[Any, Config]:
+            model_seeds: tuple[Config, ...] = (), record: Callable[..., None] | None = None,
+            run: Any = None) -> tuple[Any, Config]:
     import optuna
 
     from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
@@ -456,6 +520,8 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
 
     def _propose() -> tuple[Any, Config] | None:
         while smp.available(study) > 0:
+            if run is not None and not run.allow(study):  # the shared budget is spent
+                return None
             trial = study.ask()
             beat.add(trial)
             cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})
@@ -467,6 +533,8 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
                              if t.number != trial.number and config_of(t, names) == cfg and settled(t)
                              and (t.state != States.RUNNING or t.number < trial.number)), None)
                 if twin is None:
+                    if run is not None:
+                        run.tag(trial)
                     return trial, cfg
                 reason = None
             ev.pruned += 1
@@ -596,8 +664,9 @@ def provenance(result: TuneResult) -> dict[str, Any]:
     }
 
 
-def db_entry(result: TuneResult, info: DeviceInfo) -> Any:
-    """The instance-DB entry recording a tuning result (winner, timings, provenance)."""
+def db_entry(result: TuneResult, info: DeviceInfo, prov: dict[str, Any] | None = None) -> Any:
+    """The instance-DB entry recording a tuning result (winner, timings, provenance: `prov`, else
+    `provenance(result)`)."""
     from .db import Entry
 
     return Entry(op=result.op, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
@@ -606,7 +675,7 @@ def db_entry(result: TuneResult, info: DeviceInfo) -> Any:
                  time_us=round(result.best.timing.median_us, 3), gbps=round(result.gbps, 1),
                  default_time_us=round(result.default.timing.median_us, 3) if result.default else -1.0,
                  spread=round(result.best.timing.spread, 4),
-                 provenance=tuple(sorted(provenance(result).items())))
+                 provenance=tuple(sorted((provenance(result) if prov is None else prov).items())))
 
 
 @dataclass(frozen=True)

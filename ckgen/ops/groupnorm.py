@@ -86,9 +86,8 @@ class GroupNormOp(OpSpec):
     def problem_from_key(self, key: str) -> GroupNormProblem:
         return GroupNormProblem.from_key(key)
 
-    def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
-                         activations: list[str] | None = None) -> list[GroupNormProblem]:
-        dp = self.space.default_problems
+    def problems_of(self, dp: Any, dtypes: list[str] | None = None, layouts: list[str] | None = None,
+                    activations: list[str] | None = None) -> list[GroupNormProblem]:
         return [GroupNormProblem(N, C, H, W, G, d, l, a) for N, C, H, W, G in dp["shapes"]
                 for d in dtypes or dp["dtypes"] for l in layouts or dp["layouts"]
                 for a in activations or dp["activations"]]

@@ -85,10 +85,28 @@ class OpSpec(abc.ABC):
         with dtype/layout lists that may be None). Raise ValueError naming the bad option."""
         raise ValueError(f"--shape: {self.name} takes no shape from the command line")
 
-    @abc.abstractmethod
     def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
                          activations: list[str] | None = None) -> list[Problem]:
         """The space's default problems (what `ckgen tune OP` tunes); lists given here replace the YAML's."""
+        return self.problems_of(self.space.default_problems, dtypes, layouts, activations)
+
+    @abc.abstractmethod
+    def problems_of(self, spec: Any, dtypes: list[str] | None = None, layouts: list[str] | None = None,
+                    activations: list[str] | None = None) -> list[Problem]:
+        """The problems a problem list of the tuning space's YAML names (`default_problems`, or a
+        grid of `grids`); lists given here replace the YAML's."""
+
+    def grid_names(self) -> list[str]:
+        """`ckgen tune --grid` names: `default` (the default problems), then the space's `grids`."""
+        return ["default", *self.space.grids]
+
+    def grid_problems(self, name: str, dtypes: list[str] | None = None, layouts: list[str] | None = None,
+                      activations: list[str] | None = None) -> list[Problem]:
+        if name == "default":
+            return self.default_problems(dtypes, layouts, activations)
+        if name not in self.space.grids:
+            raise ValueError(f"--grid: {self.name} has no grid {name!r}; its grids: {', '.join(self.grid_names())}")
+        return self.problems_of(self.space.grids[name], dtypes, layouts, activations)
 
     @abc.abstractmethod
     def validate(self, problem: Any, config: Config, target: Target) -> Support: ...

@@ -59,10 +59,9 @@ class _PoolOp(OpSpec):
     def _extra_defaults(self, case: Mapping[str, Any]) -> dict[str, Any]:
         return {}
 
-    def default_problems(self, dtypes: list[str] | None = None, layouts: list[str] | None = None,
-                         activations: list[str] | None = None) -> list[PoolProblem]:
+    def problems_of(self, dp: Any, dtypes: list[str] | None = None, layouts: list[str] | None = None,
+                    activations: list[str] | None = None) -> list[PoolProblem]:
         """The YAML's cases x dtypes x layouts (activations do not apply to pooling)."""
-        dp = self.space.default_problems
         out = []
         for case in dp["cases"]:
             N, C, H, W = case["shape"]

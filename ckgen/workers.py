@@ -1,0 +1,721 @@
+"""`ckgen tune --workers N|auto`: several worker processes, one per GPU, tuning one problem list
+from one optuna storage; the same command on another machine with the same PostgreSQL URL joins.
+
+- **A run** is what one command line starts (its op, problems, budgets, sampler and seed, per
+  device kind): a record in the storage (a study named `ckgen-run|...`, user attr `current`) holds
+  its id and its deadline (`--total-timeout`). A worker of the same command joins the open run of
+  its device; a run is closed when every problem is done, and the same command after that starts a
+  new one (another `--trials` per problem, as a second `ckgen tune` does). A run whose workers all
+  died stays open: the same command finishes it.
+- **A problem is a study** (`tune.study_name`), shared by every worker on that device kind. Trials
+  of the run carry the user attrs `run` and `worker`. The budget is the run's, not a worker's:
+  `--trials` trials per problem in all (running, complete, or failed for a reason; a trial lost
+  with its worker does not count), `--timeout` seconds per problem from its first trial,
+  `--total-timeout` for the run. `_RunBudget.allow` checks it under the study's propose lock
+  (a file lock on SQLite, an advisory lock on PostgreSQL: `tune._claim_lock`) before each
+  proposal, so workers never overshoot it and never propose one config twice.
+- **A worker** scans the problems, works on the one with budget left and the fewest trials
+  running (so workers spread out, and gather on the last big problems), and when a problem's budget
+  is spent and none of its trials runs, one worker claims it (a beat every HEARTBEAT_S, so a
+  claim of a dead worker lapses after GRACE_S) and runs the final round (`tune.final_round`), writes
+  the winner to its machine's DB (the locked merge) and stores the result in the study
+  (`ckgen:<run>:result`, read by the final table and by `ckgen db pull`).
+- **A worker killed** (SIGKILL, a GPU fault) loses its running trials only: their heartbeats stop,
+  the next scan after GRACE_S fails them (`optuna.storages.fail_stale_trials`), and their configs
+  are proposed again; what finished is never measured again (every trial holds a distinct config).
+- **Backends**: `GpuBackend` measures on the GPU the process sees (CUDA_VISIBLE_DEVICES pins it);
+  `ckgen.replay.ReplayBackend` answers from recorded or synthetic times (the tests).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import multiprocessing as mp
+import os
+import queue as _queue
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import tune
+from .bench import Timing
+from .ops import get_op
+from .ops.spec import OpSpec, Problem
+from .types import Config
+
+RUN_PREFIX = "ckgen-run|"
+RUN_ATTR, WORKER_ATTR = "run", "worker"  # trial user attrs
+SEARCH, WAIT, FINALIZE, DONE = "search", "wait", "finalize", "done"
+STORAGE_EXIT = 3  # a worker's exit code when the study storage failed it
+
+
+def backend_factory() -> Callable[[], Any]:
+    """The backend the CLI's workers measure with (the tests replace it)."""
+    return GpuBackend
+
+
+def visible_devices() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES values: the ones it names, else
+    0..count-1 (CuPy's count; none without a GPU)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None and env.strip():
+        return [d.strip() for d in env.split(",") if d.strip()]
+    try:
+        import cupy
+
+        return [str(i) for i in range(cupy.cuda.runtime.getDeviceCount())]
+    except Exception:  # noqa: BLE001 - no CuPy, no driver: no GPU
+        return []
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a command line asks of its workers (picklable: handed to spawned processes)."""
+
+    op: str
+    problems: tuple[str, ...]  # problem keys
+    trials: int
+    storage: str
+    timeout: float | None = None
+    total_timeout: float | None = None
+    seed: int = 0
+    sampler: str | None = None
+    db: str | None = None  # the user DB the winners go to (None: none)
+    ahead: int = tune.AHEAD
+    rounds: int = tune.ROUNDS
+    backend: Callable[[], Any] = field(default=None)  # type: ignore[assignment]
+    poll_s: float = 2.0  # how often an idle worker looks again
+    heartbeat_s: float | None = None  # tune.HEARTBEAT_S / GRACE_S in the workers (tests shorten them)
+    grace_s: float | None = None
+
+    def digest(self) -> str:
+        """Names the command: the same command on another machine joins the same run."""
+        what = json.dumps([self.op, sorted(self.problems), self.trials, self.timeout, self.total_timeout,
+                           self.sampler, self.seed], sort_keys=True)
+        return hashlib.blake2b(what.encode(), digest_size=6).hexdigest()
+
+
+# ------------------------------------------------------------------------------------ backends
+
+
+class GpuBackend:
+    """Measures on the GPU this process sees (device 0 after CUDA_VISIBLE_DEVICES pinning)."""
+
+    def __init__(self) -> None:
+        from .target import device_info
+
+        self.info = device_info(None)
+
+    def evaluator(self, op: OpSpec, problem: Problem) -> Any:
+        from .bench import Timer
+        from .verify import Harness
+
+        return tune._Objective(op, problem, self.info.target, Harness(op, problem, seed=None),
+                               Timer(self.info.l2_bytes))
+
+    def restrict(self, op: OpSpec, problem: Problem) -> Callable[[Config], bool] | None:
+        return None
+
+    def recorder(self, op: OpSpec, problem: Problem) -> Callable[..., None] | None:
+        from .records import Recorder
+
+        return Recorder(op, problem, self.info.target, self.info.name)
+
+    def model_seeds(self, op: OpSpec, problem: Problem, trials: int) -> tuple[Config, ...]:
+        from . import costmodel
+
+        target = self.info.target
+        return tuple(costmodel.top_configs(op, problem, target, max(1, tune._n_seeds(trials) // 2),
+                                           lambda c: bool(op.validate(problem, c, target))))
+
+    def copy(self, op: OpSpec, problem: Problem) -> Timing:
+        from .bench import Timer
+
+        return Timer(self.info.l2_bytes).copy_time(op.min_bytes(problem))
+
+    def provenance(self, result: tune.TuneResult) -> dict[str, Any]:
+        return tune.provenance(result)
+
+
+# ------------------------------------------------------------------------------ the run's state
+
+
+def _now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _key(run_id: str, what: str) -> str:
+    return f"ckgen:{run_id}:{what}"
+
+
+def run_study_name(spec: RunSpec, arch: str, device: str) -> str:
+    return f"{RUN_PREFIX}{spec.op}|{arch}|{device}|{spec.digest()}"
+
+
+def _counted(t: Any) -> bool:
+    """Does this trial spend budget: running, complete, or failed for a reason (compile, launch,
+    wrong result)? A trial lost with its worker, cancelled or dropped does not."""
+    from optuna.trial import TrialState
+
+    from .sampler import FAILURE_ATTR
+
+    return t.state in (TrialState.RUNNING, TrialState.COMPLETE) or \
+        (t.state == TrialState.FAIL and FAILURE_ATTR in t.user_attrs)
+
+
+@dataclass
+class _Problem:
+    problem: Problem
+    name: str  # the study's
+    valid: list[Config]
+    names: list[str]
+    study: Any = None
+
+
+class _RunBudget:
+    """`tune.search`'s `run` hook: the run's budget for one problem, shared by all workers."""
+
+    def __init__(self, worker: "_Worker", p: _Problem):
+        self.w, self.p = worker, p
+        self.study: Any = None
+
+    def allow(self, study: Any) -> bool:  # under the study's propose lock
+        self.study = study
+        w, attrs = self.w, study.user_attrs
+        if _key(w.run_id, "result") in attrs:
+            return False
+        start = attrs.get(_key(w.run_id, "start"))
+        if start is None:
+            start = time.time()
+            study.set_user_attr(_key(w.run_id, "start"), start)
+        if w.left(start) <= 0:
+            return False
+        mine = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(RUN_ATTR) == w.run_id]
+        return sum(_counted(t) for t in mine) < w.spec.trials
+
+    def tag(self, trial: Any) -> None:  # still under the lock
+        trial.set_user_attr(RUN_ATTR, self.w.run_id)
+        trial.set_user_attr(WORKER_ATTR, self.w.wid)
+
+    def progress(self) -> tuple[int, float]:
+        """(trials of the run finished on this problem, best time of the run's)."""
+        from optuna.trial import TrialState
+
+        if self.study is None:
+            return 0, math.inf
+        mine = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get(RUN_ATTR) == self.w.run_id]
+        done = sum(_counted(t) and t.state != TrialState.RUNNING for t in mine)
+        best = min((t.value for t in mine if t.state == TrialState.COMPLETE and t.value is not None), default=math.inf)
+        return done, best
+
+
+class _Worker:
+    def __init__(self, index: int, spec: RunSpec, backend: Any, emit: Callable[..., None]):
+        import optuna
+
+        self.index, self.spec, self.backend, self.emit = index, spec, backend, emit
+        self.op = get_op(spec.op)
+        self.info = backend.info
+        self.target = self.info.target
+        self.host = socket.gethostname()
+        self.wid = f"{self.host}:{os.getpid()}"
+        self.storage = tune.open_storage(spec.storage)
+        self.optuna = optuna
+        self.problems: dict[str, _Problem] = {}
+        for key in spec.problems:
+            problem = self.op.problem_from_key(key)
+            try:
+                valid = tune._valid_space(self.op, problem, self.target, backend.restrict(self.op, problem))
+            except RuntimeError as e:  # no valid config: reported, never tuned
+                emit("skip", key, str(e))
+                continue
+            self.problems[key] = _Problem(problem, tune.study_name(self.op, problem, self.target, self.info.name),
+                                          valid, list(self.op.space.params))
+        self.run_id, self.deadline = self._join()
+
+    # -- the run record
+    def _lock(self, name: str) -> Any:
+        return tune._claim_lock(self.spec.storage, name)
+
+    def _join(self) -> tuple[str, float | None]:
+        name = run_study_name(self.spec, self.target.arch, self.info.name)
+        study = self.optuna.create_study(study_name=name, storage=self.storage, load_if_exists=True)
+        with self._lock(name):
+            cur = study.user_attrs.get("current")
+            now = time.time()
+            if cur and not cur.get("closed") and (cur.get("deadline") is None or now < cur["deadline"]):
+                return cur["id"], cur.get("deadline")
+            new = {"id": uuid.uuid4().hex[:12], "created": now, "closed": False,
+                   "deadline": now + self.spec.total_timeout if self.spec.total_timeout else None,
+                   "problems": len(self.spec.problems), "trials": self.spec.trials}
+            study.set_user_attr("current", new)
+            return new["id"], new["deadline"]
+
+    def _close(self) -> None:
+        name = run_study_name(self.spec, self.target.arch, self.info.name)
+        study = self.optuna.load_study(study_name=name, storage=self.storage)
+        with self._lock(name):
+            cur = study.user_attrs.get("current")
+            if cur and cur.get("id") == self.run_id and not cur.get("closed"):
+                study.set_user_attr("current", {**cur, "closed": True, "closed_at": time.time()})
+
+    def left(self, start: float | None) -> float:
+        """Seconds left to this problem (from its `start`) and to the run."""
+        now = time.time()
+        ends = [e for e in (self.deadline, None if self.spec.timeout is None or start is None
+                            else start + self.spec.timeout) if e is not None]
+        return min(ends) - now if ends else math.inf
+
+    def _study(self, p: _Problem) -> Any:
+        if p.study is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                p.study = self.optuna.create_study(study_name=p.name, storage=self.storage, load_if_exists=True,
+                                                   direction="minimize",
+                                                   sampler=self.optuna.samplers.RandomSampler(0))
+        return p.study
+
+    # -- a problem's state
+    def _state(self, p: _Problem) -> tuple[str, int]:
+        """(SEARCH | WAIT | FINALIZE | DONE, trials of the run running) for problem `p`."""
+        from optuna.trial import TrialState
+
+        from .sampler import config_of, settled
+
+        study = self._study(p)
+        attrs = study.user_attrs
+        if _key(self.run_id, "result") in attrs:
+            return DONE, 0
+        trials = study.get_trials(deepcopy=False)
+        mine = [t for t in trials if t.user_attrs.get(RUN_ATTR) == self.run_id]
+        running = sum(t.state == TrialState.RUNNING for t in mine)
+        start = attrs.get(_key(self.run_id, "start"))
+        expired = self.left(start) <= 0
+        index = set(p.valid)
+        held = {c for t in trials if t.state != TrialState.WAITING and settled(t)
+                and (c := config_of(t, p.names)) is not None and c in index}
+        if not expired and sum(_counted(t) for t in mine) < self.spec.trials and len(held) < len(index):
+            return SEARCH, running
+        if running:
+            return WAIT, running
+        if expired and start is None:
+            return DONE, 0  # the time ran out before it began: not tuned
+        claim = attrs.get(_key(self.run_id, "final"))
+        if claim and time.time() - claim.get("beat", 0) < tune.GRACE_S and claim.get("worker") != self.wid:
+            return WAIT, 0
+        return FINALIZE, 0
+
+    def run(self) -> None:
+        keys = list(self.problems)
+        n = len(keys)
+        # Start spread out: worker i first looks at the problems from i * n / workers on.
+        offset = (self.index * n) // max(1, self.spec_workers) if n else 0
+        order = keys[offset:] + keys[:offset]
+        while True:
+            states: dict[str, tuple[str, int]] = {}
+            for key in order:
+                p = self.problems[key]
+                study = self._study(p)
+                self.optuna.storages.fail_stale_trials(study)  # trials of a dead worker: FAIL, proposable again
+                states[key] = self._state(p)
+            if all(s == DONE for s, _ in states.values()):
+                self._close()
+                return
+            todo = [k for k in order if states[k][0] == FINALIZE]
+            if todo and self._finalize(self.problems[todo[0]]):
+                continue
+            search = [k for k in order if states[k][0] == SEARCH]
+            if search:
+                key = min(search, key=lambda k: states[k][1])  # fewest trials running: spread out
+                self._search(self.problems[key])
+                continue
+            time.sleep(self.spec.poll_s)
+
+    spec_workers = 1  # set by worker_main: how many workers this machine runs
+
+    # -- the search and the final round
+    def _search(self, p: _Problem) -> None:
+        study = self._study(p)
+        start = study.user_attrs.get(_key(self.run_id, "start"))
+        left = self.left(start if start is not None else time.time())
+        if left <= 0:
+            return
+        hook = _RunBudget(self, p)
+        ev = self.backend.evaluator(self.op, p.problem)
+        key = p.problem.key()
+        self.emit("problem", key, self.spec.trials)
+
+        def on_trial(done: int, total: int, best: float) -> None:
+            run_done, run_best = hook.progress()
+            self.emit("trial", key, run_done, self.spec.trials, run_best, done)
+
+        tune.search(self.op, p.problem, self.target, self.info.num_sms, ev, trials=10**9,
+                    timeout=None if math.isinf(left) else left, storage=self.storage, seed=self.spec.seed,
+                    sampler=self.spec.sampler, ahead=self.spec.ahead, on_trial=on_trial,
+                    restrict=self.backend.restrict(self.op, p.problem), device=self.info.name,
+                    model_seeds=self.backend.model_seeds(self.op, p.problem, self.spec.trials),
+                    record=self.backend.recorder(self.op, p.problem), run=hook)
+
+    def _claim(self, p: _Problem) -> bool:
+        with self._lock(p.name):
+            if self._state(p)[0] != FINALIZE:
+                return False
+            self._study(p).set_user_attr(_key(self.run_id, "final"), {"worker": self.wid, "beat": time.time()})
+            return True
+
+    def _finalize(self, p: _Problem) -> bool:
+        """Claim problem `p`'s final round; run it, write the winner. False: another worker has it."""
+        if not self._claim(p):
+            return False
+        study, key = self._study(p), p.problem.key()
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(tune.HEARTBEAT_S):
+                try:
+                    study.set_user_attr(_key(self.run_id, "final"), {"worker": self.wid, "beat": time.time()})
+                except Exception:  # noqa: BLE001 - retried at the next beat
+                    pass
+
+        thread = threading.Thread(target=beat, daemon=True)
+        thread.start()
+        try:
+            result = self._final_round(p, study)
+        finally:
+            stop.set()
+            thread.join(timeout=5)
+        study.set_user_attr(_key(self.run_id, "result"), result)
+        self.emit("result", key, result)
+        return True
+
+    def _final_round(self, p: _Problem, study: Any) -> dict[str, Any]:
+        from optuna.trial import TrialState
+
+        from .sampler import FAILURE_ATTR
+
+        op, problem = self.op, p.problem
+        trials = study.get_trials(deepcopy=False)
+        mine = [t for t in trials if t.user_attrs.get(RUN_ATTR) == self.run_id]
+        measured = [t for t in mine if _counted(t) and t.state != TrialState.RUNNING]
+        failures = [(Config.of(t.params).key(), t.user_attrs[FAILURE_ATTR]) for t in measured
+                    if t.state == TrialState.FAIL and set(t.params) == set(p.names)]
+        workers = sorted({t.user_attrs.get(WORKER_ATTR, "") for t in measured} - {""})
+        start = study.user_attrs.get(_key(self.run_id, "start"))
+        valid = set(p.valid)
+        default_cfg = op.space.nearest_default(lambda c: c in valid)
+        ev = self.backend.evaluator(op, problem)
+        base = {"worker": self.wid, "host": self.host, "trials": len(measured), "failed": len(failures),
+                "workers": workers, "date": _now_iso()}
+        ranked = tune.final_round(ev, study, default_cfg, valid, self.spec.rounds)
+        if not ranked:
+            why = f"no candidate passed verification; failures: {(failures + ev.failures)[:3]}"
+            self.emit("error", key_of(p), why)
+            return {**base, "error": why}
+        record = self.backend.recorder(op, problem)
+        if record is not None:
+            for m in ranked:
+                record(m.config, m.timing.median_us, phase="final")
+        final = {m.config: m for m in ranked}
+        seconds = time.time() - start if start is not None else 0.0
+        r = tune.TuneResult(op.name, problem, ranked[0], final.get(default_cfg), self.backend.copy(op, problem),
+                            op.min_bytes(problem), trials=len(measured), pruned=0,
+                            failures=failures + ev.failures, seconds=seconds, finalists=ranked)
+        prov = {**self.backend.provenance(r), "host": self.host, "worker": self.wid, "workers": len(workers),
+                "run": self.run_id}
+        entry = tune.db_entry(r, self.info, prov)
+        saved = None
+        if self.spec.db:
+            from . import db as dbmod
+
+            try:
+                dbmod.save_entries(self.spec.db, [entry])
+                saved = self.spec.db
+            except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+                self.emit("error", problem.key(), str(e))
+        speedup = r.speedup_vs_default
+        return {**base, "entry": entry.to_dict(), "instance": r.best.instance, "time_us": r.best.timing.median_us,
+                "spread": r.best.timing.spread, "gbps": r.gbps, "efficiency": r.efficiency,
+                "speedup_vs_default": None if math.isnan(speedup) else speedup, "db": saved}
+
+
+def key_of(p: _Problem) -> str:
+    return p.problem.key()
+
+
+# ------------------------------------------------------------------------- processes and events
+
+
+def worker_main(index: int, spec: RunSpec, events: Any, workers: int = 1) -> None:
+    """A worker process: measures with `spec.backend()`, reports to `events` (a queue) as
+    (kind, worker index, ...) tuples: hello, problem, trial, result, skip, error, bye."""
+
+    def emit(kind: str, *rest: Any) -> None:
+        events.put((kind, index, *rest))
+
+    try:
+        if spec.heartbeat_s is not None:
+            tune.HEARTBEAT_S = spec.heartbeat_s
+        if spec.grace_s is not None:
+            tune.GRACE_S = spec.grace_s
+        _share_compile_pool(workers)
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        backend = (spec.backend or GpuBackend)()
+        w = _Worker(index, spec, backend, emit)
+        w.spec_workers = workers
+        emit("hello", w.info.name, w.target.arch, w.host, os.getpid(), w.run_id,
+             os.environ.get("CUDA_VISIBLE_DEVICES"))
+        w.run()
+        emit("bye")
+    except tune.StudyStorageError as e:
+        emit("error", None, str(e))
+        sys.exit(STORAGE_EXIT)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which says which worker
+        emit("error", None, f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}")
+        sys.exit(1)
+
+
+def _share_compile_pool(workers: int) -> None:
+    """The workers of one machine share its CPUs for compiling: each gets a pool of its share."""
+    import concurrent.futures as cf
+
+    if workers <= 1:
+        return
+    n = max(1, min(16, ((os.cpu_count() or 2) - 1) // workers))
+    tune._jobs = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"))
+    import atexit
+
+    atexit.register(tune._jobs.shutdown)
+
+
+@dataclass
+class WorkerInfo:
+    index: int
+    device: str = ""  # CUDA_VISIBLE_DEVICES it was given ("" none)
+    name: str = ""  # the GPU's name
+    arch: str = ""
+    host: str = ""
+    pid: int = 0
+    run_id: str = ""
+    exitcode: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class RunReport:
+    workers: list[WorkerInfo]
+    results: dict[tuple[str, str], dict[str, Any]]  # (device name, problem key) -> result
+    seconds: float
+
+    @property
+    def died(self) -> list[WorkerInfo]:
+        return [w for w in self.workers if w.exitcode not in (0, None)]
+
+
+def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
+                on_event: Callable[..., None] | None = None, poll: float = 0.2) -> RunReport:
+    """Start `workers` processes (spawned; worker i pinned to devices[i % len(devices)] through
+    CUDA_VISIBLE_DEVICES when devices are given), pass their events to `on_event(event, procs)`
+    until every one has exited, then read every problem's result from the storage."""
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    infos = [WorkerInfo(i, devices[i % len(devices)] if devices else "") for i in range(workers)]
+    procs = []
+    t0 = time.monotonic()
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for info in infos:
+            if info.device:
+                os.environ["CUDA_VISIBLE_DEVICES"] = info.device  # a spawned child starts with this env
+            p = ctx.Process(target=worker_main, args=(info.index, spec, events, workers), daemon=False)
+            p.start()
+            procs.append(p)
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+    def handle(ev: tuple[Any, ...]) -> None:
+        kind, i = ev[0], ev[1]
+        if kind == "hello":
+            infos[i].name, infos[i].arch, infos[i].host, infos[i].pid, infos[i].run_id = ev[2:7]
+        elif kind == "error" and ev[2] is None:
+            infos[i].error = ev[3]
+        if on_event is not None:
+            on_event(ev, procs)
+
+    try:
+        while True:
+            try:
+                handle(events.get(timeout=poll))
+                continue
+            except _queue.Empty:
+                pass
+            for info, p in zip(infos, procs):
+                if info.exitcode is None and p.exitcode is not None:
+                    info.exitcode = p.exitcode
+                    if on_event is not None:
+                        on_event(("exit", info.index, p.exitcode), procs)
+            if all(p.exitcode is not None for p in procs):
+                while True:  # what they said last
+                    try:
+                        handle(events.get(timeout=0.05))
+                    except _queue.Empty:
+                        break
+                break
+    except BaseException:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+        raise
+    for p in procs:
+        p.join()
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    seen = {(w.name, w.arch, w.run_id) for w in infos if w.run_id}
+    for name, arch, run_id in sorted(seen):
+        results.update({(name, k): v for k, v in read_results(spec, arch, name, run_id).items()})
+    return RunReport(infos, results, time.monotonic() - t0)
+
+
+def read_results(spec: RunSpec, arch: str, device: str, run_id: str) -> dict[str, dict[str, Any]]:
+    """problem key -> the run's result for each problem of `spec` on this device kind (what the
+    final round stored: the winner's entry and the table's values, or an error)."""
+    import optuna
+
+    from .types import Target
+
+    storage = tune.open_storage(spec.storage)
+    op, target = get_op(spec.op), Target.named(arch)
+    known = set(optuna.get_all_study_names(storage))
+    out = {}
+    for key in spec.problems:
+        problem = op.problem_from_key(key)
+        name = tune.study_name(op, problem, target, device)
+        if name not in known:
+            continue
+        attrs = storage.get_study_user_attrs(storage.get_study_id_from_name(name))
+        result = attrs.get(_key(run_id, "result"))
+        if result is not None:
+            out[problem.key()] = result
+    return out
+
+
+def parse_workers(text: str) -> int | str:
+    """`--workers`: a positive integer or `auto`."""
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if n < 1:
+        raise ValueError(f"must be a positive integer or 'auto', got {n}")
+    return n
+
+
+
+
+# ------------------------------------------------------------------------------------ db pull
+
+
+@dataclass
+class Pulled:
+    entries: list[Any]  # db.Entry, one per study with a verified winner
+    skipped: list[str]  # "study name: why"
+
+
+def pull_entries(url: str) -> Pulled:
+    """DB entries from the finished studies of a storage (`ckgen db pull`): per study of today's
+    templates, the winner of its latest final round (`ckgen tune --workers`) if it has one, else its
+    best complete trial (every complete trial passed verification). Provenance: the device (in the
+    entry's target), the worker's host, the trials, the date. Studies with trials still running,
+    of other template versions, or of unknown ops are skipped, with the reason."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from . import __version__
+    from .bench import gbps
+    from .codegen import templates_digest
+    from .db import DBError, Entry
+    from .instance import render_instance
+    from .sampler import FAILURE_ATTR
+    from .types import Target
+
+    storage = tune.open_storage(url)
+    digest = templates_digest()[:12]
+    out = Pulled([], [])
+    for name in sorted(optuna.get_all_study_names(storage)):
+        if name.startswith(RUN_PREFIX):
+            continue
+        parts = name.split("|")
+        if len(parts) != 5:
+            out.skipped.append(f"{name}: not a ckgen study")
+            continue
+        op_name, arch, device, key, dg = parts
+        if dg != digest:
+            out.skipped.append(f"{name}: tuned with other templates (digest {dg}, today {digest})")
+            continue
+        try:
+            op, target = get_op(op_name), Target.named(arch)
+            problem = op.problem_from_key(key)
+        except (ValueError, TypeError, KeyError) as e:
+            out.skipped.append(f"{name}: {e}")
+            continue
+        study_id = storage.get_study_id_from_name(name)
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+        if any(t.state == TrialState.RUNNING for t in trials):
+            out.skipped.append(f"{name}: trials still running")
+            continue
+        attrs = storage.get_study_user_attrs(study_id)
+        finals = [v for k, v in attrs.items() if k.startswith("ckgen:") and k.endswith(":result")
+                  and isinstance(v, dict) and "entry" in v]
+        if finals:
+            latest = max(finals, key=lambda v: v.get("date", ""))
+            try:
+                out.entries.append(Entry.from_dict(latest["entry"]))
+                continue
+            except DBError as e:
+                out.skipped.append(f"{name}: its final result is not a DB entry ({e}); using its best trial")
+        names = list(op.space.params)
+        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
+                    and math.isfinite(t.value) and set(t.params) == set(names)]
+        usable = [t for t in complete if op.validate(problem, Config.of(t.params), target)]
+        if not usable:
+            out.skipped.append(f"{name}: no complete trial valid today")
+            continue
+        best = min(usable, key=lambda t: (t.value, t.number))
+        cfg = Config.of(best.params)
+        src = render_instance(op, problem, cfg, target)
+        default = op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
+        default_us = min((t.value for t in usable if Config.of(t.params) == default), default=-1.0)
+        measured = [t for t in trials if t.state == TrialState.COMPLETE or
+                    (t.state == TrialState.FAIL and FAILURE_ATTR in t.user_attrs)]
+        worker = str(best.user_attrs.get(WORKER_ATTR, ""))
+        when = best.datetime_complete or best.datetime_start
+        prov: dict[str, Any] = {"ckgen": __version__, "source": "db pull", "trials": len(measured),
+                                "study": name}
+        if when is not None:
+            prov["date"] = when.astimezone(_dt.timezone.utc).isoformat(timespec="seconds")
+        if worker:
+            prov["host"], prov["worker"] = worker.rsplit(":", 1)[0], worker
+        spread = best.user_attrs.get("spread")
+        out.entries.append(Entry(
+            op=op.name, vendor=target.vendor, arch=target.arch, device=device, problem=problem.key(),
+            config=cfg.items, instance=src.name, source_sha256=src.sha256, time_us=round(best.value, 3),
+            gbps=round(gbps(op.min_bytes(problem), best.value), 1), default_time_us=round(default_us, 3),
+            spread=spread if isinstance(spread, (int, float)) else None, provenance=tuple(sorted(prov.items()))))
+    return out

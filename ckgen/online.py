@@ -177,8 +177,9 @@ def _say(message: str) -> None:
 
 
 def attempted(op: str, problem: str, arch: str) -> bool:
-    """Was this problem tried (tuned, or failed) by online tuning in this process?"""
-    return (op, problem, arch) in _outcome
+    """Was this problem tried (tuned, or failed) by online tuning in this process, or has online
+    tuning stopped for the process (so it never will be)?"""
+    return _halted is not None or (op, problem, arch) in _outcome
 
 
 def reset() -> None:

@@ -106,6 +106,14 @@ def test_env_turns_it_on_and_the_call_goes_on_with_the_winner(d, tuner, monkeypa
     assert len(lines) == 1 and lines[0].startswith(f"ckgen: tuned groupnorm_fwd {P.key()} online")
 
 
+def test_quiet_silences_the_progress_line(d, tuner, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CKGEN_TUNE", "1")
+    monkeypatch.setenv("CKGEN_QUIET", "1")
+    with caplog.at_level(logging.DEBUG, logger="ckgen"):
+        assert d.choose(OP, P, SM90, site=HERE)[0].source == "tuned"
+    assert not [r for r in caplog.records if r.name == "ckgen"] and len(tuner.calls) == 1
+
+
 def test_other_values_of_the_env_do_not_turn_it_on(d, tuner, monkeypatch) -> None:
     for value in ("0", "", "yes"):
         monkeypatch.setenv("CKGEN_TUNE", value)
@@ -543,4 +551,16 @@ def test_opening_a_block_keeps_plans_of_problems_tried_already(no_gpu_plans, mon
             failed = _plan(x)
     with ckgen.tuning():
         assert _plan(x) is failed
+    assert len(bad.calls) == 1
+
+
+def test_after_a_fatal_failure_opening_a_block_drops_nothing(no_gpu_plans, monkeypatch) -> None:
+    bad = FakeTuner(fail=NoGPUError("no usable GPU"))
+    monkeypatch.setattr(online, "tuner", bad)
+    with pytest.warns(OnlineTuningWarning):
+        with ckgen.tuning():
+            first = _plan(_x(no_gpu_plans, 6))
+    other = _plan(_x(no_gpu_plans, 7))  # built outside a block, after online tuning stopped
+    with ckgen.tuning():
+        assert _plan(_x(no_gpu_plans, 6)) is first and _plan(_x(no_gpu_plans, 7)) is other
     assert len(bad.calls) == 1

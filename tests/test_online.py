@@ -564,3 +564,66 @@ def test_after_a_fatal_failure_opening_a_block_drops_nothing(no_gpu_plans, monke
     with ckgen.tuning():
         assert _plan(_x(no_gpu_plans, 6)) is first and _plan(_x(no_gpu_plans, 7)) is other
     assert len(bad.calls) == 1
+
+
+# ------------------------------------------------------------------ the GPU tuner's glue, with fakes
+
+
+def test_tune_on_device_glue_with_a_fake_gpu(monkeypatch) -> None:
+    """tune_on_device with CuPy, the device, the harness and the timer faked: the real objective
+    compiles ahead in threads (no worker process), waits for the caller's GPU work first, frees
+    CuPy's pool after, records every measurement, and returns the winner's entry."""
+    from ckgen import bench, records, tune, verify
+    from ckgen import target as targetmod
+    from ckgen.bench import Timing
+    from ckgen.verify import Check
+
+    events: list[str] = []
+    rt = SimpleNamespace(deviceSynchronize=lambda: events.append("sync"), runtimeGetVersion=lambda: 13000,
+                         driverGetVersion=lambda: 13010)
+    pool = SimpleNamespace(free_all_blocks=lambda: events.append("free"))
+    cupy = SimpleNamespace(__version__="14.0-fake", cuda=SimpleNamespace(runtime=rt), get_default_memory_pool=lambda: pool)
+    monkeypatch.setattr(targetmod, "require_cupy", lambda what="": cupy)
+    monkeypatch.setattr(targetmod, "device_info", lambda device=None: DeviceInfo(SM90, "fake GPU", 132, 50 << 20))
+
+    class FakeHarness:
+        def __init__(self, op, problem, seed=None):
+            events.append("harness")
+
+        def runner(self, src, config, target):
+            run = lambda: None  # noqa: E731
+            run.config = config
+            return run
+
+        def check(self, run):
+            return Check(True, "")
+
+    class FakeTimer:
+        def __init__(self, l2_bytes):
+            pass
+
+        def time(self, run):
+            t = _synthetic(run.config)
+            return Timing(t, t, t, 25)
+
+    compiled: list[str] = []
+
+    def compile_in_thread(src, target):
+        compiled.append(threading.current_thread().name)
+        return None
+
+    monkeypatch.setattr(verify, "Harness", FakeHarness)
+    monkeypatch.setattr(bench, "Timer", FakeTimer)
+    monkeypatch.setattr(online, "_compile", compile_in_thread)
+    jobs_before = tune._jobs
+    p = problem(N=8, layout="nhwc")
+    e = online.tune_on_device(OP, p, device=0, trials=4, max_seconds=None)
+    assert events[:2] == ["sync", "harness"] and events[-1] == "free"
+    assert e.ident == (OP.name, "sm_90", p.key()) and e.device == "fake GPU"
+    prov = e.provenance_dict()
+    assert prov["tuned_by"] == "online" and prov["cupy"] == "14.0-fake" and prov["cuda_driver"] == 13010
+    assert prov["trials"] == 4 and e.time_us == pytest.approx(_synthetic(Config.of(e.config_dict())))
+    assert compiled and all(name.startswith("ckgen-compile") for name in compiled)  # threads, not processes
+    assert tune._jobs is jobs_before
+    recs = records.read(records.user_records_path())
+    assert len([r for r in recs if r["phase"] == "trial"]) == 4 and any(r["phase"] == "final" for r in recs)

@@ -5,6 +5,8 @@
     dx, dgamma, dbeta = ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, 32, beta, activation="swish")
     y, indices = ckgen.maxpool2d_fwd(x, 3, stride=2, padding=1, return_indices=True)
     print(ckgen.explain("groupnorm_fwd", x, gamma, beta, 32))
+    with ckgen.tuning(trials=12):   # or CKGEN_TUNE=1: a problem no DB entry has is tuned by its first call
+        y, mean, rstd = ckgen.groupnorm_fwd(x, gamma, beta, groups=32)
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ __version__ = "0.1.0"
 from .api.groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
 from .api.pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
 from .dispatch import explain
+from .online import tuning
 from .tensors import bfloat16
 
 
@@ -26,4 +29,4 @@ def reload_db() -> None:
 
 __all__ = ["__version__", "avgpool2d_bwd", "avgpool2d_fwd", "bfloat16", "explain", "groupnorm_bwd",
            "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta", "groupnorm_fwd", "maxpool2d_bwd", "maxpool2d_fwd",
-           "reload_db"]
+           "reload_db", "tuning"]

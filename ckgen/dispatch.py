@@ -1,9 +1,11 @@
 """Selection and launch: a problem -> DB winner or fallback -> compiled kernels -> a launch plan.
 
-Selection never tunes implicitly. On a DB miss it asks the config cost model (ckgen/costmodel.py)
+Selection never tunes unless asked. On a DB miss it asks the config cost model (ckgen/costmodel.py)
 for the best of the configs that won anywhere and their neighbours; without a model, it falls
 back to the nearest tuned problem whose config is valid here, else to the space's default (or
 the valid config nearest to it), and says so once per problem through the `ckgen` logger.
+Asked (`CKGEN_TUNE=1`, a `ckgen.tuning()` block), a plan's selection tunes the problem first
+(ckgen/online.py), once per problem and process, and selects the new DB entry.
 
 Launch goes through a `Plan`, built once per (op, problem, device, pointer alignment class,
 framework): the choice, the loaded kernels, their grids, the kernel-argument buffer with the
@@ -54,6 +56,9 @@ class Dispatcher:
         #: call signature -> plan (filled by the public op modules); cleared with the plans
         self.calls: dict[tuple, Plan] = {}
         self._forget: list[Callable[[], None]] = []
+        #: (op, problem key, arch) of plans' choices that are not tuned and that online tuning
+        #: has not tried: what opening a `ckgen.tuning()` block drops (see drop_untuned)
+        self._untuned: set[tuple[str, str, str]] = set()
 
     # ---- the DB view: user DB over shipped DB, stale entries dropped per entry ----
     def database(self) -> dbmod.InstanceDB:
@@ -68,15 +73,48 @@ class Dispatcher:
             self._db = None
             self._choices.clear()
             self._told.clear()
+            self._untuned.clear()
             self.plans.clear()
             self.calls.clear()
 
+    def drop_untuned(self) -> None:
+        """Forget the choices and launch plans of untuned problems that online tuning has not
+        tried (a `ckgen.tuning()` block opened: their next call builds its plan again, and tunes)."""
+        from . import online
+
+        with self._lock:
+            keys, self._untuned = self._untuned, set()
+        keys = {k for k in keys if not online.attempted(*k)}
+        if not keys:
+            return
+        for k in self._choices.copy():
+            if k[:3] in keys:
+                self._choices.pop(k, None)
+        problems = {k[:2] for k in keys}
+        for cache in (self.calls, self.plans):
+            for k, plan in cache.copy().items():
+                if plan.choice.source != "tuned" and (plan.choice.op, plan.choice.problem) in problems:
+                    cache.pop(k, None)
+
     # ---- selection ----
-    def choose(self, op: OpSpec, problem: Problem, target: Target, max_vec_bytes: int = 16) -> tuple[Choice, KernelSource]:
+    def choose(self, op: OpSpec, problem: Problem, target: Target, max_vec_bytes: int = 16,
+               site: Any = None) -> tuple[Choice, KernelSource]:
+        """The choice for `problem` (cached). `site` (an `online.Site`: given by plan building
+        only) lets an untuned choice be tuned first when online tuning is on (ckgen/online.py)."""
         key = (op.name, problem.key(), target.arch, max_vec_bytes)
         hit = self._choices.get(key)
-        if hit is None:
+        new = hit is None
+        if new:
             hit = self._select(op, problem, target, max_vec_bytes)
+        if site is not None and hit[0].source != "tuned":
+            from . import online
+
+            if online.maybe_tune(op, problem, target, site):  # a winner is in the DB now (reloaded)
+                hit, new = self._select(op, problem, target, max_vec_bytes), True
+            if hit[0].source != "tuned" and not online.attempted(*key[:3]):
+                with self._lock:
+                    self._untuned.add(key[:3])
+        if new:
             self._choices[key] = hit
             choice = hit[0]
             if choice.source != "tuned" and (op.name, problem.key()) not in self._told and not settings.quiet():
@@ -100,8 +138,9 @@ class Dispatcher:
             if why is None:
                 src = render_instance(op, problem, config, target)
                 if src.sha256 == entry.source_sha256:
+                    how = ", tuned online" if entry.provenance_dict().get("tuned_by") == "online" else ""
                     return Choice(op.name, problem.key(), src.name, config, "tuned",
-                                  f"DB entry ({entry.time_us:.1f} us on {entry.device})", entry), src
+                                  f"DB entry ({entry.time_us:.1f} us on {entry.device}{how})", entry), src
                 stale = "tuned entry is stale (template changed since tuning); "
             else:
                 stale = f"tuned entry unusable ({why}); "
@@ -175,8 +214,9 @@ class Plan:
     def __init__(self, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str], outputs: Sequence[Output],
                  vector_ptrs: Sequence[int]) -> None:
         from .compile import load_kernel
+        from .online import Site
         from .target import device_info
-        from .tensors import alignment
+        from .tensors import alignment, current_stream_fn
 
         global _multi_gpu, _rt, _launch_kernel
         if _rt is None:
@@ -190,7 +230,9 @@ class Plan:
         self.device = like.device
         with _on_device(self.device):
             target = device_info(self.device).target
-            self.choice, src = _dispatcher.choose(op, problem, target, alignment(*vector_ptrs))
+            stream_of = current_stream_fn(like)
+            site = Site(self.device, lambda: bool(_rt.streamIsCapturing(stream_of())))  # for online tuning
+            self.choice, src = _dispatcher.choose(op, problem, target, alignment(*vector_ptrs), site)
             config = self.choice.config
             launches = op.launches(problem, config, target)
             self._kernels = [load_kernel(src, target, l.kernel).kernel for l in launches]  # cupy Functions

@@ -12,6 +12,10 @@ ENV_QUIET = "CKGEN_QUIET"  # "1": no fallback notices (the dispatcher's, and ckg
 ENV_ROCM = "CKGEN_ROCM_PATH"  # a ROCm root (include/hip, device bitcode) for offline HIP builds
 ENV_SHIPPED = "CKGEN_SHIPPED_DB"  # another file in place of the packaged DB (a missing file: none)
 ENV_MODEL = "CKGEN_MODEL"  # the config cost model file in place of the user's/packaged one; "off": none
+ENV_TUNE = "CKGEN_TUNE"  # "1": online tuning (ckgen/online.py): a problem's first call tunes it if no DB entry has it
+ENV_TUNE_TRIALS = "CKGEN_TUNE_TRIALS"  # online tuning: configs measured per problem (default TUNE_TRIALS)
+ENV_TUNE_MAX_S = "CKGEN_TUNE_MAX_S"  # online tuning: wall-time cap per problem's search, in seconds (default none)
+TUNE_TRIALS = 12
 
 
 def cache_dir() -> Path:
@@ -30,6 +34,39 @@ def study_storage_url() -> str:
 
 def quiet() -> bool:
     return os.environ.get(ENV_QUIET, "") == "1"
+
+
+def tune_enabled() -> bool:
+    """$CKGEN_TUNE is "1" (what a `ckgen.tuning()` block says wins over it)."""
+    return os.environ.get(ENV_TUNE, "") == "1"
+
+
+def tune_trials() -> int:
+    """$CKGEN_TUNE_TRIALS (a positive integer), else TUNE_TRIALS; ValueError naming it if malformed."""
+    value = os.environ.get(ENV_TUNE_TRIALS, "").strip()
+    if not value:
+        return TUNE_TRIALS
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"${ENV_TUNE_TRIALS}: expected a positive integer, got {value[:40]!r}")
+    return n
+
+
+def tune_max_seconds() -> float | None:
+    """$CKGEN_TUNE_MAX_S (seconds > 0), else None (no cap); ValueError naming it if malformed."""
+    value = os.environ.get(ENV_TUNE_MAX_S, "").strip()
+    if not value:
+        return None
+    try:
+        s = float(value)
+    except ValueError:
+        s = float("nan")
+    if not 0 < s < float("inf"):
+        raise ValueError(f"${ENV_TUNE_MAX_S}: expected a number of seconds > 0, got {value[:40]!r}")
+    return s
 
 
 def shipped_db_override() -> Path | None:

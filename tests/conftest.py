@@ -28,7 +28,12 @@ def _isolated_db(tmp_path, monkeypatch):
     monkeypatch.setenv("CKGEN_SHIPPED_DB", str(tmp_path / "no-shipped-db.yaml"))
     # Nor a cost model (test_costmodel.py turns it on): the dispatcher's answers stay nearest/default.
     monkeypatch.setenv("CKGEN_MODEL", "off")
+    # Nor online tuning (test_online.py turns it on), and nothing tried by another test counts.
+    for name in ("CKGEN_TUNE", "CKGEN_TUNE_TRIALS", "CKGEN_TUNE_MAX_S"):
+        monkeypatch.delenv(name, raising=False)
+    from ckgen import online
     from ckgen.dispatch import dispatcher
 
+    online.reset()
     dispatcher().reload()  # the DB paths changed: no choice or launch plan of another test's DB
     yield

@@ -95,10 +95,11 @@ def study_name(op: OpSpec, problem: Problem, target: Target, device: str = "") -
 
 # Study storage shared by concurrent tuners: a trial's process beats every HEARTBEAT_S seconds
 # while the trial runs; a RUNNING trial silent for GRACE_S (its tuner died) is failed by the next
-# search on the study, and its config becomes proposable again.
+# search on the study, and its config is enqueued again (retried first).
 HEARTBEAT_S = 15
 GRACE_S = 120
 SQLITE_BUSY_S = 120  # how long a SQLite write waits for another tuner's lock
+STALE_RETRIES = 2  # how often a trial lost with its tuner is enqueued again (optuna's RetryFailedTrialCallback)
 
 
 class StudyStorageError(RuntimeError):
@@ -136,7 +137,11 @@ def storage_problem(url: str) -> str | None:
     try:
         (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()
     except ImportError as e:
-        return f"the {u.get_backend_name()} driver for {url!r} is not installed ({e})"
+        hint = ""
+        if u.get_backend_name() == "postgresql":
+            hint = ("; pip install 'ckgen[postgres]' (psycopg 3) and name its driver: "
+                    "postgresql+psycopg://user@host:5432/db")
+        return f"the {u.get_backend_name()} driver for {url!r} is not installed ({e}){hint}"
     if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
         path = Path(u.database)
         if path.is_dir():
@@ -163,6 +168,7 @@ def open_storage(storage: Any) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # heartbeat options are experimental in some versions
+            kw.update(_retry_callback(optuna))
             if storage.startswith("sqlite:///"):
                 path = Path(storage[len("sqlite:///"):])
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +180,22 @@ def open_storage(storage: Any) -> Any:
                 return optuna.storages.RDBStorage(storage, **kw)
     except (*_storage_errors(), filelock.Timeout, OSError) as e:
         raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: {e}") from None
+
+
+def _retry_callback(optuna: Any) -> dict[str, Any]:
+    """The RDB storage's option that retries a trial failed for a silent heartbeat (its tuner
+    died): `RetryFailedTrialCallback` enqueues its config again (WAITING, proposed first), at
+    most STALE_RETRIES times per config, so a config that kills its tuner is not retried forever.
+    optuna 4.9 renamed both (failed_trial_callback -> heartbeat_stale_trial_callback,
+    RetryFailedTrialCallback -> RetryHeartbeatStaleTrialCallback)."""
+    import inspect
+
+    retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or \
+        optuna.storages.RetryFailedTrialCallback
+    cb = retry(max_retry=STALE_RETRIES)
+    params = inspect.signature(optuna.storages.RDBStorage.__init__).parameters
+    name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
+    return {name: cb}
 
 
 def _beats(storage: Any) -> bool:

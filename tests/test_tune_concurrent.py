@@ -1,7 +1,7 @@
 """Concurrent tuners on one SQLite study storage (issue 16, finding 4), with replayed timings and
 real processes: the schema is created under a lock on a fresh file, tuners sharing a study never
 measure one config twice and leave no trial RUNNING, a dead tuner's RUNNING trial is failed after
-the grace period and its config measured again, storage errors have a clear message, and the
+the grace period and its config enqueued again (optuna's retry callback) and measured, storage errors have a clear message, and the
 study name carries the device."""
 from __future__ import annotations
 
@@ -79,6 +79,8 @@ def test_a_dead_tuners_running_trial_is_recovered(tmp_path, monkeypatch):
     stale = next(t for t in study.trials if t.number == dead.number)
     assert stale.state == States.FAIL and not settled(stale)
     assert lost in ev.calls  # measured again by the next tuner
+    retried = [t for t in study.trials if t.system_attrs.get("failed_trial") == dead.number]
+    assert [(t.state, t.params) for t in retried] == [(States.COMPLETE, lost.as_dict())]  # optuna's retry callback
     assert {t.state for t in study.trials if t.number != dead.number} <= {States.COMPLETE}
     assert len(ev.calls) == 5  # the 6 configs less the one measured before
 

@@ -222,6 +222,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     op = get_op(args.op)  # argparse checked the name
     _check_problem_options(op, args)
     problems = _problems(op, args)
+    if args.list:
+        return _tune_list(op, args, problems)
     db_path = _user_db(args)
     _check_storage(args.storage)
     why = gpu_status()
@@ -284,6 +286,28 @@ def cmd_tune(args: argparse.Namespace) -> int:
             info_out.print(f"[yellow]failed[/] {r.problem.key()} {cfg}: {why}", highlight=False)
     info_out.print(f"wrote {plural(len(results), 'entry', 'entries')} to {db_path}", markup=False)
     return 0 if len(results) == len(problems) else 1
+
+
+def _tune_list(op: Any, args: argparse.Namespace, problems: list[Any]) -> int:
+    """`ckgen tune OP --list`: the op's grids (name, problems, what they cover); with --grid or
+    --shape, the problems that command would tune. Nothing is tuned; no GPU is needed."""
+    fmt = resolve(args.format, console)
+    if args.grid is None and not args.shape:
+        sheet = Sheet("grids", f"problem grids of {op.name} (tuning_spaces/{op.name}.yaml; ckgen tune {op.name} "
+                               "--grid NAME --list shows one)",
+                      (Col("grid", ident=True), Col("problems", number=True), Col("about")))
+        acts = [args.activation] if getattr(args, "activation", None) else None
+        for name in op.grid_names():
+            sheet.add(name, len(op.grid_problems(name, args.dtype, args.layout, acts)), op.grid_about(name))
+        emit(console, fmt, [sheet], {"op": op.name})
+        return 0
+    what = f"grid {args.grid}" if args.grid else "--shape"
+    sheet = Sheet("problems", f"{op.name}, {what}: {plural(len(problems), 'problem')}",
+                  (Col("problem", ident=True, wide=True),))
+    for p in problems:
+        sheet.add(p.key())
+    emit(console, fmt, [sheet], {"op": op.name, "grid": args.grid})
+    return 0
 
 
 def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_path: Path) -> int:
@@ -391,9 +415,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
     _, user, _, layered = _layers(args)
     ops = Sheet("ops", "ops", (Col("op", ident=True), Col("template", ident=True),
-                               Col("tunables", fmt=", ".join), Col("default_problems", "default problems", number=True)))
+                               Col("tunables", fmt=", ".join), Col("default_problems", "default problems", number=True),
+                               Col("grids", "grids (tune --grid)", fmt=", ".join)))
     for op in all_ops():
-        ops.add(op.name, op.template, list(op.space.params), len(op.default_problems()))
+        ops.add(op.name, op.template, list(op.space.params), len(op.default_problems()), op.grid_names())
     emit(console, resolve(args.format, console), [ops, _entries_sheet(user, layered)])
     return 0
 
@@ -727,7 +752,8 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=_positive_int, default=40, help="measured candidates per problem (default: 40)")
     p.add_argument("--timeout", type=_seconds, help="seconds per problem (default: no limit)")
     p.add_argument("--total-timeout", type=_seconds, help="seconds for the whole run (default: no limit)")
-    p.add_argument("--storage", help="optuna storage URL (default: sqlite:///<cache dir>/studies.sqlite3)")
+    p.add_argument("--storage", help="optuna storage URL (default: sqlite:///<cache dir>/studies.sqlite3; "
+                                     "several machines: postgresql+psycopg://user@host:5432/db)")
     p.add_argument("--seed", type=_count, default=0, help="sampler seed (default: 0)")
     p.add_argument("--sampler", choices=SAMPLERS, default="gp",
                    help="search strategy over the valid configs: gp, tpe or random (default: gp; "
@@ -753,8 +779,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("op", metavar="OP", choices=op_names, help=f"the op to tune: one of {', '.join(op_names)}")
     t.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
     t.add_argument("--grid", metavar="NAME",
-                   help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml: default, broad; "
+                   help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml; e.g. sd15-unet, "
+                        "sdxl-unet, sd-vae for GroupNorm, resnet, vgg for pooling; --list shows them; "
                         "default: the default problems)")
+    t.add_argument("--list", action="store_true",
+                   help="tune nothing: list the op's grids, or with --grid/--shape the problems this command "
+                        "would tune (no GPU needed; default: off)")
     t.add_argument("--workers", type=_workers, metavar="N|auto",
                    help="N worker processes sharing the problems and the study storage; auto: one per visible "
                         "GPU, each pinned with CUDA_VISIBLE_DEVICES (default: one process, no workers); "
@@ -826,7 +856,7 @@ def parser() -> argparse.ArgumentParser:
     _common(where, "ckgen db where", cmd_db_where, fmt=True)
     pull = dsub.add_parser("pull", help="DB entries from the finished studies of an optuna storage (the winners "
                                         "of `tune --workers` runs on other machines)")
-    pull.add_argument("--storage", required=True, help="optuna storage URL, e.g. postgresql://user@host/ckgen")
+    pull.add_argument("--storage", required=True, help="optuna storage URL, e.g. postgresql+psycopg://user@host:5432/ckgen")
     _common(pull, "ckgen db pull", cmd_db_pull, fmt=True)
     merge = dsub.add_parser("merge", help="merge DB files: per problem and arch the faster verified entry wins, "
                                           "ties by date")

@@ -10,7 +10,7 @@ import numpy as np
 from ..space import load_space
 from ..types import DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, short_repr
 from .numeric import from_storage, round_to, to_storage
-from .spec import OpSpec, Problem, check_choice, check_int
+from .spec import OpSpec, Problem, check_choice, check_int, full_shapes
 
 ACTIVATIONS = ("none", "swish")
 
@@ -88,7 +88,9 @@ class GroupNormOp(OpSpec):
 
     def problems_of(self, dp: Any, dtypes: list[str] | None = None, layouts: list[str] | None = None,
                     activations: list[str] | None = None) -> list[GroupNormProblem]:
-        return [GroupNormProblem(N, C, H, W, G, d, l, a) for N, C, H, W, G in dp["shapes"]
+        """The YAML's shapes (N, C, H, W, G; or C, H, W, G x `batches`) x dtypes x layouts x activations."""
+        return [GroupNormProblem(N, C, H, W, G, d, l, a) for shape in dp["shapes"]
+                for N, C, H, W, G in full_shapes(dp, shape, 5)
                 for d in dtypes or dp["dtypes"] for l in layouts or dp["layouts"]
                 for a in activations or dp["activations"]]
 

@@ -57,6 +57,17 @@ class Problem(abc.ABC):
     def key(self) -> str: ...
 
 
+def full_shapes(spec: Any, shape: Any, width: int) -> list[tuple[int, ...]]:
+    """The shapes one entry of a problem list stands for: `shape` itself (`width` numbers, N
+    first), or, in a list with `batches`, one shape per batch (`shape` then omits N)."""
+    batches = spec.get("batches")
+    want = width - 1 if batches else width
+    if not isinstance(shape, (list, tuple)) or len(shape) != want:
+        raise ValueError(f"problem list shape {shape!r}: expected {want} numbers"
+                         + (" (no N: the list's `batches` give it)" if batches else ""))
+    return [tuple(shape)] if not batches else [(int(n), *shape) for n in batches]
+
+
 class OpSpec(abc.ABC):
     """One op, declared once. The CLI, DB, dispatcher, tuner and tests work from this alone.
 
@@ -100,13 +111,21 @@ class OpSpec(abc.ABC):
         """`ckgen tune --grid` names: `default` (the default problems), then the space's `grids`."""
         return ["default", *self.space.grids]
 
+    def grid_about(self, name: str) -> str:
+        """A grid's one-line description (its `about` in the YAML)."""
+        if name == "default":
+            return "the default problems (default_problems)"
+        return str(self.space.grids.get(name, {}).get("about", ""))
+
     def grid_problems(self, name: str, dtypes: list[str] | None = None, layouts: list[str] | None = None,
                       activations: list[str] | None = None) -> list[Problem]:
+        """The problems of grid `name` (`default`: the default problems), each once, in the YAML's
+        order; lists given here replace the grid's dtypes, layouts, activations."""
         if name == "default":
             return self.default_problems(dtypes, layouts, activations)
         if name not in self.space.grids:
             raise ValueError(f"--grid: {self.name} has no grid {name!r}; its grids: {', '.join(self.grid_names())}")
-        return self.problems_of(self.space.grids[name], dtypes, layouts, activations)
+        return list(dict.fromkeys(self.problems_of(self.space.grids[name], dtypes, layouts, activations)))
 
     @abc.abstractmethod
     def validate(self, problem: Any, config: Config, target: Target) -> Support: ...

@@ -10,7 +10,7 @@ import numpy as np
 from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import from_storage, to_storage
-from ..spec import OpSpec
+from ..spec import OpSpec, full_shapes
 from .problem import PoolProblem
 
 _U32 = 2**32
@@ -61,17 +61,18 @@ class _PoolOp(OpSpec):
 
     def problems_of(self, dp: Any, dtypes: list[str] | None = None, layouts: list[str] | None = None,
                     activations: list[str] | None = None) -> list[PoolProblem]:
-        """The YAML's cases x dtypes x layouts (activations do not apply to pooling)."""
+        """The YAML's cases (shape N, C, H, W; or C, H, W x `batches`) x dtypes x layouts
+        (activations do not apply to pooling)."""
         out = []
         for case in dp["cases"]:
-            N, C, H, W = case["shape"]
-            for d in dtypes or dp["dtypes"]:
-                for lay in layouts or dp["layouts"]:
-                    out.append(self.parse_problem(
-                        N=N, C=C, H=H, W=W, dtype=d, layout=lay, kernel=case["kernel"],
-                        stride=case.get("stride"), padding=case.get("padding", 0),
-                        dilation=case.get("dilation", 1), ceil_mode=case.get("ceil_mode", False),
-                        **self._extra_defaults(case)))
+            for N, C, H, W in full_shapes(dp, case["shape"], 4):
+                for d in dtypes or dp["dtypes"]:
+                    for lay in layouts or dp["layouts"]:
+                        out.append(self.parse_problem(
+                            N=N, C=C, H=H, W=W, dtype=d, layout=lay, kernel=case["kernel"],
+                            stride=case.get("stride"), padding=case.get("padding", 0),
+                            dilation=case.get("dilation", 1), ceil_mode=case.get("ceil_mode", False),
+                            **self._extra_defaults(case)))
         return out
 
     def _extra_cli(self, args: Any) -> dict[str, Any]:

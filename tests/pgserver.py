@@ -72,7 +72,7 @@ class Server:
             raise RuntimeError(f"{tool} failed ({out.returncode}): {out.stdout[-2000:]}{out.stderr[-2000:]}{extra}")
 
     def url(self, db: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{db}"
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{db}"  # psycopg 3, whatever SQLAlchemy's default
 
     def create_db(self) -> str:
         """A new, empty database; its URL."""

@@ -1,0 +1,156 @@
+"""The command line of multi-worker tuning without a GPU: `ckgen tune OP --workers 2` on the default
+SQLite storage (workers replay tests/wtimes.py's timings: the backend is swapped in, nothing else),
+`--grid`, `ckgen db pull` and `ckgen db merge` round trips."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import wtimes
+from ckgen import cli
+from ckgen import db as dbmod
+from ckgen import target as target_mod
+from ckgen import workers as wk
+from ckgen.replay import ReplayBackend, ReplayEvaluator
+from ckgen.tune import search
+
+OP = wtimes.OP
+
+
+@pytest.fixture
+def inproc(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "console", Console(soft_wrap=True, width=400))
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def replayed(monkeypatch, tmp_path):
+    """`ckgen tune --workers` with replayed timings: no GPU check, no devices to pin."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    backend = ReplayBackend(wtimes.time_of, wtimes.restrict_to, delay=0.02, log_dir=str(logs))
+    monkeypatch.setattr(target_mod, "gpu_status", lambda: None)
+    monkeypatch.setattr(wk, "visible_devices", lambda: [])
+    monkeypatch.setattr(wk, "backend_factory", lambda: backend)
+    return backend
+
+
+def test_tune_with_two_workers_on_sqlite(inproc, replayed, tmp_path):
+    db = tmp_path / "tuned.yaml"
+    storage = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
+    args = ["tune", OP.name, "--workers", "2", "--trials", "4", "--layout", "nhwc", "--db", str(db),
+            "--storage", storage]
+    code, out, err = inproc(*args, "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    problems = [p.key() for p in OP.default_problems(layouts=["nhwc"])]
+    rows = doc["results"]
+    assert sorted(r["problem"] for r in rows) == sorted(problems) and doc["workers"] == 2 and doc["died"] == []
+    assert all(r["failed_trials"] <= 4 and r["time_us"] > 0 for r in rows)
+    entries = dbmod.InstanceDB.load(db).entries
+    assert {e.problem: e.instance for e in entries} == {r["problem"]: r["instance"] for r in rows}
+    calls = [json.loads(line) for f in Path(replayed.log_dir).glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert len(calls) == 4 * len(problems) == len({(c["problem"], c["config"]) for c in calls})
+    assert len({c["pid"] for c in calls}) == 2
+    # tsv and the table keep working; the finished run is not joined again: a new run, 4 more trials
+    code, out, err = inproc(*args, "--format", "tsv")
+    assert code == 0, err
+    assert out.splitlines()[0].split("\t")[:2] == ["problem", "instance"] and len(out.splitlines()) == 1 + len(problems)
+    code, out, err = inproc(*args, "--format", "table")
+    assert code == 0 and "best instance" in out and "worker 1" in out and "total" in out
+    # db pull rebuilds the same winners from the storage; merge round trips
+    pulled = tmp_path / "pulled.yaml"
+    code, out, err = inproc("db", "pull", "--storage", storage, "--db", str(pulled), "--format", "json")
+    assert code == 0, err
+    got = {e.problem: e for e in dbmod.InstanceDB.load(pulled).entries}
+    assert {k: e.config for k, e in got.items()} == {e.problem: e.config for e in dbmod.InstanceDB.load(db).entries}
+    assert all(e.provenance_dict()["host"] and e.device == "replayed GPU" for e in got.values())
+    merged = tmp_path / "merged.yaml"
+    assert inproc("db", "merge", str(db), str(pulled), "-o", str(merged))[0] == 0
+    again = tmp_path / "again.yaml"
+    assert inproc("db", "merge", str(pulled), str(db), "-o", str(again))[0] == 0
+    assert merged.read_bytes() == again.read_bytes()  # deterministic, whatever the order
+
+
+def test_db_pull_takes_the_best_verified_trial_of_a_plain_study(inproc, tmp_path):
+    """A study of a plain search (no run, no final round): its best complete trial, re-rendered."""
+    storage = f"sqlite:///{tmp_path / 's.sqlite3'}"
+    key = wtimes.KEYS[1]
+    problem = OP.problem_from_key(key)
+    ev = ReplayEvaluator(lambda c: wtimes.time_of(key, c))
+    search(OP, problem, wtimes.SM90, 132, ev, trials=6, timeout=None, storage=storage, seed=0,
+           restrict=lambda c: wtimes.restrict_to(key, c), device="Some GPU")
+    out_db = tmp_path / "pulled.yaml"
+    code, out, err = inproc("db", "pull", "--storage", storage, "--db", str(out_db), "--format", "json")
+    assert code == 0, err
+    (entry,) = dbmod.InstanceDB.load(out_db).entries
+    best = min((m for m in ev.measured.values()), key=lambda m: m.timing.median_us)
+    assert entry.config == best.config.items and entry.time_us == round(best.timing.median_us, 3)
+    assert entry.device == "Some GPU" and entry.provenance_dict()["trials"] == 6
+    assert dbmod.entry_verified(entry)  # instance and source hash rendered from today's templates
+
+
+def _entry(problem: str, time_us: float, date: str, sha: str | None = None) -> dbmod.Entry:
+    from ckgen.instance import render_instance
+
+    p = OP.problem_from_key(problem)
+    cfg = OP.space.nearest_default(lambda c: bool(OP.validate(p, c, wtimes.SM90)))
+    src = render_instance(OP, p, cfg, wtimes.SM90)
+    return dbmod.Entry(op=OP.name, vendor="cuda", arch="sm_90", device="GPU", problem=p.key(), config=cfg.items,
+                       instance=src.name, source_sha256=sha or src.sha256, time_us=time_us, gbps=1.0,
+                       default_time_us=time_us, provenance=(("date", date),))
+
+
+def test_db_merge_faster_verified_wins_ties_by_date(inproc, tmp_path):
+    k0, k1, k2, k3 = wtimes.KEYS[:4]
+    a = [_entry(k0, 10.0, "2026-01-01T00:00:00+00:00"), _entry(k1, 20.0, "2026-01-01T00:00:00+00:00"),
+         _entry(k2, 5.0, "2026-01-01T00:00:00+00:00", sha="0" * 64), _entry(k3, 7.0, "2026-01-01T00:00:00+00:00")]
+    b = [_entry(k0, 11.0, "2026-06-01T00:00:00+00:00"), _entry(k1, 20.0, "2026-06-01T00:00:00+00:00"),
+         _entry(k2, 9.0, "2025-01-01T00:00:00+00:00")]
+    fa, fb = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    dbmod.write_db(fa, a)
+    dbmod.write_db(fb, b)
+    out1, out2 = tmp_path / "ab.yaml", tmp_path / "ba.yaml"
+    code, out, err = inproc("db", "merge", str(fa), str(fb), "-o", str(out1))
+    assert code == 0 and "wrote 4 entries" in out, err
+    assert inproc("db", "merge", str(fb), str(fa), "-o", str(out2))[0] == 0
+    assert out1.read_bytes() == out2.read_bytes()
+    got = {e.problem: e for e in dbmod.InstanceDB.load(out1).entries}
+    assert got[k0].time_us == 10.0  # the faster
+    assert got[k1].date.startswith("2026-06")  # a tie: the later
+    assert got[k2].time_us == 9.0  # a stale entry (its source no longer renders) loses to a verified one
+    assert got[k3].time_us == 7.0  # only in one
+    assert inproc("db", "merge", str(fa), str(tmp_path / "missing.yaml"), "-o", str(out1))[0] == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schema: 1\nentries:\n  - op: [unclosed\n")
+    assert inproc("db", "merge", str(fa), str(bad), "-o", str(out1))[0] == 2
+
+
+def test_grid_and_workers_options_are_checked(inproc):
+    code, _, err = inproc("tune", "maxpool2d_fwd", "--grid", "nope")
+    assert code == 2 and "--grid: maxpool2d_fwd has no grid 'nope'; its grids: default, resnet, vgg" in err
+    code, _, err = inproc("tune", "maxpool2d_fwd", "--workers", "0")
+    assert code == 2 and "--workers" in err
+    code, _, err = inproc("tune", "maxpool2d_fwd", "--workers", "two")
+    assert code == 2 and "'auto'" in err
+    code, _, err = inproc("db", "pull", "--storage", "bogus://x")
+    assert code == 2 and "--storage" in err
+
+
+def test_grids_are_problem_lists_of_the_spaces():
+    for op in (OP, wk.get_op("groupnorm_fwd")):
+        assert op.grid_problems("default") == op.default_problems()
+        broad = op.grid_problems("broad")
+        assert {p.dtype for p in broad} == {"bf16", "fp16", "fp32"} and len(broad) > len(op.default_problems())
+        assert op.grid_problems("broad", ["bf16"], ["nhwc"], None) == [p for p in broad if p.dtype == "bf16"
+                                                                         and p.layout == "nhwc"]

@@ -34,7 +34,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import queue as _queue
 import socket
 import sys
 import threading
@@ -454,11 +453,15 @@ def key_of(p: _Problem) -> str:
 
 
 def worker_main(index: int, spec: RunSpec, events: Any, workers: int = 1) -> None:
-    """A worker process: measures with `spec.backend()`, reports to `events` (a queue) as
-    (kind, worker index, ...) tuples: hello, problem, trial, result, skip, error, bye."""
+    """A worker process: measures with `spec.backend()`, reports to `events` (the write end of a
+    pipe of its own) as (kind, worker index, ...) tuples: hello, problem, trial, result, skip,
+    error, bye. Not a multiprocessing.Queue shared by the workers: its feeder threads share a
+    lock, and a worker killed while holding it would leave the others hanging at exit."""
+    lock = threading.Lock()
 
     def emit(kind: str, *rest: Any) -> None:
-        events.put((kind, index, *rest))
+        with lock:
+            events.send((kind, index, *rest))
 
     try:
         if spec.heartbeat_s is not None:
@@ -528,19 +531,23 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
     """Start `workers` processes (spawned; worker i pinned to devices[i % len(devices)] through
     CUDA_VISIBLE_DEVICES when devices are given), pass their events to `on_event(event, procs)`
     until every one has exited, then read every problem's result from the storage."""
+    from multiprocessing.connection import wait
+
     ctx = mp.get_context("spawn")
-    events = ctx.Queue()
     infos = [WorkerInfo(i, devices[i % len(devices)] if devices else "") for i in range(workers)]
-    procs = []
+    procs, readers = [], {}
     t0 = time.monotonic()
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         for info in infos:
             if info.device:
                 os.environ["CUDA_VISIBLE_DEVICES"] = info.device  # a spawned child starts with this env
-            p = ctx.Process(target=worker_main, args=(info.index, spec, events, workers), daemon=False)
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=worker_main, args=(info.index, spec, w, workers), daemon=False)
             p.start()
+            w.close()  # the child holds the write end: EOF here when it exits or is killed
             procs.append(p)
+            readers[r] = info.index
     finally:
         if saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -556,25 +563,27 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
         if on_event is not None:
             on_event(ev, procs)
 
+    def exits() -> None:
+        for info, p in zip(infos, procs):
+            if info.exitcode is None and p.exitcode is not None:
+                info.exitcode = p.exitcode
+                if on_event is not None:
+                    on_event(("exit", info.index, p.exitcode), procs)
+
     try:
-        while True:
-            try:
-                handle(events.get(timeout=poll))
-                continue
-            except _queue.Empty:
-                pass
-            for info, p in zip(infos, procs):
-                if info.exitcode is None and p.exitcode is not None:
-                    info.exitcode = p.exitcode
-                    if on_event is not None:
-                        on_event(("exit", info.index, p.exitcode), procs)
-            if all(p.exitcode is not None for p in procs):
-                while True:  # what they said last
-                    try:
-                        handle(events.get(timeout=0.05))
-                    except _queue.Empty:
-                        break
-                break
+        while readers:  # until every worker's pipe is closed (it exited, or was killed)
+            for r in wait(list(readers), timeout=poll):
+                try:
+                    ev = r.recv()
+                except (EOFError, OSError):  # closed; a message cut by a kill is dropped
+                    del readers[r]
+                    r.close()
+                    continue
+                handle(ev)
+            exits()
+        for p in procs:
+            p.join()
+        exits()
     except BaseException:
         for p in procs:
             if p.exitcode is None:
@@ -582,8 +591,6 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
         for p in procs:
             p.join(timeout=10)
         raise
-    for p in procs:
-        p.join()
     results: dict[tuple[str, str], dict[str, Any]] = {}
     seen = {(w.name, w.arch, w.run_id) for w in infos if w.run_id}
     for name, arch, run_id in sorted(seen):

@@ -236,7 +236,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import db as dbmod
     from . import settings
     from .target import device_info
-    from .tune import StudyStorageError, db_entry, tune_problem
+    from .tune import StudyStorageError, db_entry, shown_url, tune_problem
 
     if args.workers is not None:
         return _tune_workers(args, op, problems, db_path)
@@ -245,7 +245,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     info = device_info(None)
     storage = args.storage or settings.study_storage_url()
     info_out.print(f"tuning {plural(len(problems), 'problem')} of {op.name} on {info.name} ({info.target.arch}); "
-                   f"DB {db_path}; study storage {storage}", markup=False)
+                   f"DB {db_path}; study storage {shown_url(storage)}", markup=False)
     sheet = _result_sheet(f"{op.name} on {info.name}")
     start, results = time.monotonic(), []
     from rich.table import Column
@@ -332,7 +332,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     pins = [devices[i % len(devices)] for i in range(n)] if devices else []
     info_out.print(f"tuning {plural(len(problems), 'problem')} of {op.name} with {plural(n, 'worker')}"
                    + (f" (CUDA_VISIBLE_DEVICES {', '.join(pins)})" if pins else "")
-                   + f"; DB {db_path}; study storage {storage}", markup=False)
+                   + f"; DB {db_path}; study storage {wk.tune.shown_url(storage)}", markup=False)
     if devices and n > len(devices):
         info_out.print(f"[yellow]{n} workers share {plural(len(devices), 'GPU')}: their timings disturb each other[/]")
     key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))
@@ -383,7 +383,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     fatal = [w for w in report.workers if w.error]
     for w in fatal:
         err.print(f"worker {w.index}: {w.error.splitlines()[0]}", markup=False)
-    emit(console, fmt, [sheet], {"op": op.name, "devices": devices_seen, "db": str(db_path), "storage": storage,
+    emit(console, fmt, [sheet], {"op": op.name, "devices": devices_seen, "db": str(db_path), "storage": wk.tune.shown_url(storage),
                                  "workers": n, "seconds": round(report.seconds, 1),
                                  "died": [w.index for w in report.died]})
     wrote = sum(1 for r in report.results.values() if r.get("db"))
@@ -445,7 +445,7 @@ def cmd_db_export(args: argparse.Namespace) -> int:
 def cmd_db_pull(args: argparse.Namespace) -> int:
     """DB entries from the finished studies of a storage (another machine's workers' winners)."""
     from . import db as dbmod
-    from .tune import StudyStorageError
+    from .tune import StudyStorageError, shown_url
     from .workers import pull_entries
 
     path = _user_db(args)
@@ -457,7 +457,7 @@ def cmd_db_pull(args: argparse.Namespace) -> int:
         raise UsageError(f"--storage: {e}") from None
     if pulled.entries:
         dbmod.save_entries(path, pulled.entries)
-    sheet = Sheet("entries", f"pulled from {args.storage} ({plural(len(pulled.entries), 'entry', 'entries')})", (
+    sheet = Sheet("entries", f"pulled from {shown_url(args.storage)} ({plural(len(pulled.entries), 'entry', 'entries')})", (
         Col("op", ident=True), Col("arch", ident=True), Col("device"), Col("problem", ident=True, wide=True),
         Col("instance", ident=True, wide=True), Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
         Col("host", ident=True), Col("trials", number=True)))
@@ -465,7 +465,7 @@ def cmd_db_pull(args: argparse.Namespace) -> int:
         prov = e.provenance_dict()
         sheet.add(e.op, e.arch, e.device, e.problem, e.instance, e.time_us, str(prov.get("host", "")),
                   prov.get("trials", 0))
-    emit(console, fmt, [sheet], {"db": str(path), "storage": args.storage, "skipped": pulled.skipped})
+    emit(console, fmt, [sheet], {"db": str(path), "storage": shown_url(args.storage), "skipped": pulled.skipped})
     for why in pulled.skipped:
         _info(fmt).print(f"skipped {why}", markup=False)
     _info(fmt).print(f"wrote {plural(len(pulled.entries), 'entry', 'entries')} to {path}", markup=False)

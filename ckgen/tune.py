@@ -152,6 +152,18 @@ def storage_problem(url: str) -> str | None:
     return None
 
 
+def shown_url(url: Any) -> str:
+    """A storage URL to print: its password masked (postgresql+psycopg://user:***@host/db)."""
+    if not isinstance(url, str) or "@" not in url:
+        return str(url)
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy parses: shown as given
+        return url
+
+
 def open_storage(storage: Any) -> Any:
     """An optuna storage for a URL: heartbeats on; for SQLite, a generous busy timeout, and the
     schema created under a file lock (concurrent first runs on a fresh file raced on it); for
@@ -179,7 +191,7 @@ def open_storage(storage: Any) -> Any:
             with lock if isinstance(lock, _PgAdvisoryLock) else contextlib.nullcontext():
                 return optuna.storages.RDBStorage(storage, **kw)
     except (*_storage_errors(), filelock.Timeout, OSError) as e:
-        raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: {e}") from None
+        raise StudyStorageError(f"optuna study storage {shown_url(storage)}: {e.__class__.__name__}: {e}") from None
 
 
 def _retry_callback(optuna: Any) -> dict[str, Any]:
@@ -490,7 +502,7 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
                            claims=_claim_lock(storage, study_name(op, problem, target, device)),
                            model_seeds=model_seeds, record=record, run=run)
     except (*_storage_errors(), filelock.Timeout) as e:
-        raise StudyStorageError(f"optuna study storage {storage}: {e.__class__.__name__}: "
+        raise StudyStorageError(f"optuna study storage {shown_url(storage)}: {e.__class__.__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 

@@ -735,3 +735,121 @@ def test_not_served_names_the_dispatchers_reason(monkeypatch):
     O._served.clear()
     assert "ckgen cannot use this GPU" in O._not_served("groupnorm_fwd", ok, G=8, activation="none")
     O._served.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# the eager fast path (ckgen/torch/eager.py): autograd Functions over the ops' implementations
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def eager_cpu(monkeypatch):
+    """CPU tensors take the eager Functions; the ops' CUDA implementations then fall back to the
+    PyTorch computation (no GPU here), so the Functions' autograd wiring runs for real."""
+    from ckgen.torch import eager
+
+    monkeypatch.setattr(CF, "_ROUTE_CPU", True)
+    monkeypatch.setattr(eager, "_CPU_FOR_TESTS", True)
+    monkeypatch.setenv("CKGEN_QUIET", "1")
+    ct.reset_fallbacks()
+    yield eager
+    ct.reset_fallbacks()
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("act", [None, "swish"])
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_eager_group_norm_function_matches_autograd_of_pytorch(layout, act, needs, eager_cpu):
+    x = _x((2, 8, 5, 7), layout=layout, seed=3).requires_grad_(needs[0])
+    g = (1 + 0.1 * torch.randn(8)).requires_grad_(needs[1])
+    b = (0.1 * torch.randn(8)).requires_grad_(needs[1])
+    y = ct.group_norm(x, 4, g, b, 1e-5, activation=act)
+    assert type(y.grad_fn).__name__ == "GroupNormFnBackward", y.grad_fn  # the eager Function ran
+    assert y.is_contiguous(memory_format=FORMATS[layout])
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    xr, gr, br = (t.detach().contiguous().requires_grad_(t.requires_grad) for t in (x, g, b))
+    yr = F.group_norm(xr, 4, gr, br, 1e-5)
+    yr = F.silu(yr) if act else yr
+    yr.backward(dy.contiguous())
+    torch.testing.assert_close(y, yr, atol=1e-5, rtol=1e-5)
+    for t, r in ((x, xr), (g, gr), (b, br)):
+        if r.requires_grad:
+            torch.testing.assert_close(t.grad, r.grad, atol=1e-4, rtol=1e-4)
+        else:
+            assert t.grad is None
+    if x.grad is not None:
+        assert x.grad.is_contiguous(memory_format=FORMATS[layout])
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("indices", ["stored", "recompute"])
+def test_eager_pool_functions_match_autograd_of_pytorch(layout, indices, eager_cpu):
+    x = _distinct((2, 4, 9, 8), torch.float32, layout).requires_grad_(True)
+    y = ct.max_pool2d(x, 3, 2, 1, ceil_mode=True, indices=indices)
+    assert type(y.grad_fn).__name__ == "MaxPoolFnBackward"
+    dy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    xr = x.detach().contiguous().requires_grad_(True)
+    yr = F.max_pool2d(xr, 3, 2, 1, ceil_mode=True)
+    (gr,) = torch.autograd.grad(yr, xr, dy.contiguous())
+    torch.testing.assert_close(y, yr)
+    torch.testing.assert_close(gx, gr)
+    assert gx.is_contiguous(memory_format=FORMATS[layout])
+    y = ct.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False)
+    assert type(y.grad_fn).__name__ == "AvgPoolFnBackward"
+    dy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    yr = F.avg_pool2d(xr, 3, 2, 1, ceil_mode=True, count_include_pad=False)
+    (gr,) = torch.autograd.grad(yr, xr, dy.contiguous())
+    torch.testing.assert_close(y, yr, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gx, gr, atol=1e-6, rtol=1e-5)
+    assert gx.is_contiguous(memory_format=FORMATS[layout])
+
+
+def test_eager_path_without_grad_builds_no_graph(eager_cpu):
+    x = _x((2, 8, 6, 6))
+    g = torch.ones(8, requires_grad=True)
+    with torch.no_grad():
+        assert ct.group_norm(x, 4, g, None).grad_fn is None
+    assert ct.max_pool2d(x, 2).grad_fn is None and ct.avg_pool2d(x, 2).grad_fn is None
+    assert type(ct.group_norm(x, 4, g, None).grad_fn).__name__ == "GroupNormFnBackward"  # gamma needs a grad
+
+
+def test_eager_double_backward_raises_a_clear_error(eager_cpu):
+    x = _x((2, 4, 6, 6), seed=1).requires_grad_(True)
+    for fwd in (lambda t: ct.group_norm(t, 2, None, None, activation="swish"),
+                lambda t: ct.max_pool2d(t, 2), lambda t: ct.avg_pool2d(t, 2)):
+        (gx,) = torch.autograd.grad(fwd(x).square().sum(), x, create_graph=True)
+        with pytest.raises(ct.DoubleBackwardError, match="has no backward"):
+            gx.sum().backward()
+
+
+def test_eager_path_is_not_taken_where_something_traces(eager_cpu):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    eager = eager_cpu
+    x = _x((2, 8, 4, 4))
+    assert eager.usable(x)
+    assert not eager.usable(x.to("meta"))
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        assert not eager.usable(fx)
+        y = ct.group_norm(fx, 4)  # the custom op's fake kernel: shapes only
+        assert y.shape == x.shape
+    eager._CPU_FOR_TESTS = False
+    assert not eager.usable(x)  # a CPU tensor outside the tests
+
+
+def test_compile_still_traces_the_custom_ops_when_the_eager_path_is_on(eager_cpu):
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2), ct.AvgPool2d(2))
+    x = _x((2, 16, 8, 8), requires_grad=True)
+    out = torch.compile(m, fullgraph=True, backend=backend)(x)
+    assert any("ckgen.groupnorm_fwd" in t for t in seen), seen
+    assert any("ckgen.maxpool2d_fwd" in t for t in seen) and any("ckgen.avgpool2d_fwd" in t for t in seen), seen
+    torch.testing.assert_close(out, m(x), atol=1e-5, rtol=1e-5)

@@ -10,6 +10,11 @@ NCHW-contiguous or channels-last (the output keeps that layout). Anything else -
 3-D (unbatched or (N, C, L)) inputs, other dtypes, other strides, empty tensors, pooling
 arguments PyTorch rejects - runs nn.functional's op, which also raises PyTorch's own errors.
 
+In eager mode (nothing tracing, plain CUDA tensors) the calls go through the autograd Functions
+of `ckgen.torch.eager`, which run the custom ops' CUDA implementations without the custom op's
+per-call glue (hundreds of microseconds of host time a call with autograd); the kernels,
+fallbacks and results are the same.
+
 Everything here is traceable by torch.compile(fullgraph=True): the choice depends only on what
 Dynamo guards on (device, dtype, rank, strides, requires_grad). Under torch.compile the fallback
 is not logged (it is decided once, at trace time); a problem ckgen's dispatcher cannot serve
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import eager, ops
 from .ops import note_fallback
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -103,8 +109,12 @@ def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias
         w = w.contiguous()
     if b is not None and not b.is_contiguous():
         b = b.contiguous()
-    y, _, _ = torch.ops.ckgen.groupnorm_fwd(x, w, b, num_groups, float(eps),
-                                            "swish" if activation == "swish" else "none")
+    act = "swish" if activation == "swish" else "none"
+    if eager.usable(x):  # eager: the kernels without the custom op's per-call glue (ckgen/torch/eager.py)
+        if _needs_grad(x, w, b):
+            return eager.GroupNormFn.apply(x, w, b, num_groups, float(eps), act)
+        return ops.cuda_groupnorm_fwd(x, w, b, num_groups, float(eps), act)[0]
+    y, _, _ = torch.ops.ckgen.groupnorm_fwd(x, w, b, num_groups, float(eps), act)
     return y
 
 
@@ -147,6 +157,10 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
         return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                             return_indices=return_indices)
     args = (x, list(k), list(s), list(p), list(d), bool(ceil_mode))
+    if not return_indices and eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py)
+        if _needs_grad(x):
+            return eager.MaxPoolFn.apply(*args, indices == "stored")
+        return ops.cuda_maxpool2d_fwd(*args)
     if return_indices:
         return torch.ops.ckgen.maxpool2d_fwd_with_indices(*args)
     if indices == "stored" and _needs_grad(x):
@@ -169,8 +183,10 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool =
     if why is not None:
         _fallback("avg_pool2d", why)
         return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    return torch.ops.ckgen.avgpool2d_fwd(x, list(k), list(s), list(p), bool(ceil_mode), bool(count_include_pad),
-                                         divisor_override)
+    args = (x, list(k), list(s), list(p), bool(ceil_mode), bool(count_include_pad), divisor_override)
+    if eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py)
+        return eager.AvgPoolFn.apply(*args) if _needs_grad(x) else ops.cuda_avgpool2d_fwd(*args)
+    return torch.ops.ckgen.avgpool2d_fwd(*args)
 
 
 __all__ = ["avg_pool2d", "group_norm", "group_norm_why_not", "max_pool2d"]

@@ -301,9 +301,9 @@ def ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_incl
 # ---------------------------------------------------------------------------------------------
 # GroupNorm ops
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("ckgen::groupnorm_fwd", mutates_args=(), device_types="cuda")
-def groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float = 1e-5,
-                  activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+def cuda_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float = 1e-5,
+                       activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+    """ckgen::groupnorm_fwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _not_served("groupnorm_fwd", x, G=groups, activation=activation)
     if why:
         note_fallback("ckgen::groupnorm_fwd", why)
@@ -311,6 +311,12 @@ def groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], gr
     import ckgen
 
     return ckgen.groupnorm_fwd(x, gamma, beta, groups, eps=eps, activation=_act(activation))
+
+
+@torch.library.custom_op("ckgen::groupnorm_fwd", mutates_args=(), device_types="cuda")
+def groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float = 1e-5,
+                  activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+    return cuda_groupnorm_fwd(x, gamma, beta, groups, eps, activation)
 
 
 @groupnorm_fwd.register_kernel("cpu")
@@ -337,9 +343,9 @@ def _bwd_not_served(op_name: str, x: Tensor, groups: int, activation: str) -> Op
     return _not_served(op_name, x, G=groups, activation=activation)
 
 
-@torch.library.custom_op("ckgen::groupnorm_bwd", mutates_args=(), device_types="cuda")
-def groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
-                  beta: Optional[Tensor] = None, activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+def cuda_groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
+                       beta: Optional[Tensor] = None, activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+    """ckgen::groupnorm_bwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _bwd_not_served("groupnorm_bwd", x, groups, activation)
     if why:
         note_fallback("ckgen::groupnorm_bwd", why)
@@ -347,6 +353,12 @@ def groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Opti
     import ckgen
 
     return ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation=_act(activation))
+
+
+@torch.library.custom_op("ckgen::groupnorm_bwd", mutates_args=(), device_types="cuda")
+def groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
+                  beta: Optional[Tensor] = None, activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
+    return cuda_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)
 
 
 @groupnorm_bwd.register_kernel("cpu")
@@ -362,9 +374,9 @@ def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
     return torch.empty_like(x), x.new_empty((C,)), x.new_empty((C,))
 
 
-@torch.library.custom_op("ckgen::groupnorm_bwd_data", mutates_args=(), device_types="cuda")
-def groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
-                       beta: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+def cuda_groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
+                            beta: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    """ckgen::groupnorm_bwd_data on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _bwd_not_served("groupnorm_bwd_data", x, groups, activation)
     if why:
         note_fallback("ckgen::groupnorm_bwd_data", why)
@@ -372,6 +384,12 @@ def groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma:
     import ckgen
 
     return ckgen.groupnorm_bwd_data(dy, x, mean, rstd, gamma, groups, beta, activation=_act(activation))
+
+
+@torch.library.custom_op("ckgen::groupnorm_bwd_data", mutates_args=(), device_types="cuda")
+def groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
+                       beta: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    return cuda_groupnorm_bwd_data(dy, x, mean, rstd, gamma, groups, beta, activation)
 
 
 @groupnorm_bwd_data.register_kernel("cpu")
@@ -386,10 +404,10 @@ def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("ckgen::groupnorm_bwd_gamma_beta", mutates_args=(), device_types="cuda")
-def groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, groups: int,
-                             gamma: Optional[Tensor] = None, beta: Optional[Tensor] = None,
-                             activation: str = "none") -> tuple[Tensor, Tensor]:
+def cuda_groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, groups: int,
+                                  gamma: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+                                  activation: str = "none") -> tuple[Tensor, Tensor]:
+    """ckgen::groupnorm_bwd_gamma_beta on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _bwd_not_served("groupnorm_bwd_gamma_beta", x, groups, activation)
     if why:
         note_fallback("ckgen::groupnorm_bwd_gamma_beta", why)
@@ -397,6 +415,13 @@ def groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, 
     import ckgen
 
     return ckgen.groupnorm_bwd_gamma_beta(dy, x, mean, rstd, groups, gamma, beta, activation=_act(activation))
+
+
+@torch.library.custom_op("ckgen::groupnorm_bwd_gamma_beta", mutates_args=(), device_types="cuda")
+def groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, groups: int,
+                             gamma: Optional[Tensor] = None, beta: Optional[Tensor] = None,
+                             activation: str = "none") -> tuple[Tensor, Tensor]:
+    return cuda_groupnorm_bwd_gamma_beta(dy, x, mean, rstd, groups, gamma, beta, activation)
 
 
 @groupnorm_bwd_gamma_beta.register_kernel("cpu")
@@ -415,9 +440,9 @@ def _(dy, x, mean, rstd, groups, gamma=None, beta=None, activation="none"):
 # ---------------------------------------------------------------------------------------------
 # Pooling ops
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("ckgen::maxpool2d_fwd", mutates_args=(), device_types="cuda")
-def maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
-                  ceil_mode: bool) -> Tensor:
+def cuda_maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
+                       ceil_mode: bool) -> Tensor:
+    """ckgen::maxpool2d_fwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _not_served("maxpool2d_fwd", x, return_indices=False,
                       **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
     if why:
@@ -426,6 +451,12 @@ def maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding:
     import ckgen
 
     return ckgen.maxpool2d_fwd(x, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), ceil_mode)
+
+
+@torch.library.custom_op("ckgen::maxpool2d_fwd", mutates_args=(), device_types="cuda")
+def maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
+                  ceil_mode: bool) -> Tensor:
+    return cuda_maxpool2d_fwd(x, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 @maxpool2d_fwd.register_kernel("cpu")
@@ -439,9 +470,9 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
     return _empty(_pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode), x, fmt)
 
 
-@torch.library.custom_op("ckgen::maxpool2d_fwd_with_indices", mutates_args=(), device_types="cuda")
-def maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                               dilation: List[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
+def cuda_maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                                    dilation: List[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
+    """ckgen::maxpool2d_fwd_with_indices on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _not_served("maxpool2d_fwd", x, return_indices=True,
                       **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
     if why:
@@ -451,6 +482,12 @@ def maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: List[i
 
     return ckgen.maxpool2d_fwd(x, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), ceil_mode,
                                return_indices=True)
+
+
+@torch.library.custom_op("ckgen::maxpool2d_fwd_with_indices", mutates_args=(), device_types="cuda")
+def maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                               dilation: List[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
+    return cuda_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 @maxpool2d_fwd_with_indices.register_kernel("cpu")
@@ -465,9 +502,9 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
     return _empty(shape, x, fmt), _empty(shape, x, fmt, torch.int64)
 
 
-@torch.library.custom_op("ckgen::maxpool2d_bwd", mutates_args=(), device_types="cuda")
-def maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                  dilation: List[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
+def cuda_maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                       dilation: List[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
+    """ckgen::maxpool2d_bwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _not_served("maxpool2d_bwd", x, indices="recompute" if indices is None else "stored",
                       **_pool_fields(kernel_size, stride, padding, dilation, ceil_mode))
     if why:
@@ -477,6 +514,12 @@ def maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[in
 
     return ckgen.maxpool2d_bwd(dy, x, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), ceil_mode,
                                indices=indices)
+
+
+@torch.library.custom_op("ckgen::maxpool2d_bwd", mutates_args=(), device_types="cuda")
+def maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                  dilation: List[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
+    return cuda_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
 
 
 @maxpool2d_bwd.register_kernel("cpu")
@@ -491,9 +534,9 @@ def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("ckgen::avgpool2d_fwd", mutates_args=(), device_types="cuda")
-def avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], ceil_mode: bool,
-                  count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+def cuda_avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], ceil_mode: bool,
+                       count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+    """ckgen::avgpool2d_fwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _not_served("avgpool2d_fwd", x, count_include_pad=bool(count_include_pad),
                       divisor_override=divisor_override, **_pool_fields(kernel_size, stride, padding, None, ceil_mode))
     if why:
@@ -503,6 +546,12 @@ def avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding:
 
     return ckgen.avgpool2d_fwd(x, tuple(kernel_size), tuple(stride), tuple(padding), ceil_mode, count_include_pad,
                                divisor_override)
+
+
+@torch.library.custom_op("ckgen::avgpool2d_fwd", mutates_args=(), device_types="cuda")
+def avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], ceil_mode: bool,
+                  count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+    return cuda_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
 @avgpool2d_fwd.register_kernel("cpu")
@@ -516,9 +565,9 @@ def _(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_ove
     return _empty(_pool_out_shape(x, kernel_size, stride, padding, (1, 1), ceil_mode), x, fmt)
 
 
-@torch.library.custom_op("ckgen::avgpool2d_bwd", mutates_args=(), device_types="cuda")
-def avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                  ceil_mode: bool, count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+def cuda_avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                       ceil_mode: bool, count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+    """ckgen::avgpool2d_bwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
     why = _not_served("avgpool2d_bwd", x, count_include_pad=bool(count_include_pad),
                       divisor_override=divisor_override, **_pool_fields(kernel_size, stride, padding, None, ceil_mode))
     if why:
@@ -528,6 +577,12 @@ def avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[in
 
     return ckgen.avgpool2d_bwd(dy, x, tuple(kernel_size), tuple(stride), tuple(padding), ceil_mode, count_include_pad,
                                divisor_override)
+
+
+@torch.library.custom_op("ckgen::avgpool2d_bwd", mutates_args=(), device_types="cuda")
+def avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
+                  ceil_mode: bool, count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
+    return cuda_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
 
 
 @avgpool2d_bwd.register_kernel("cpu")

@@ -575,3 +575,42 @@ def test_side_stream_and_autocast():
         ya, yr = m(x), ref(x)
     assert ya.dtype == torch.bfloat16  # ckgen keeps the conv's bf16; nn.GroupNorm autocasts to float32
     _close(ya.float(), yr.float(), get_op("groupnorm_fwd").tolerance("bf16", "y"), "autocast")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_eager_modules_take_the_fast_path_and_match_pytorch(layout):
+    """In eager mode the modules run the autograd Functions of ckgen.torch.eager (not the custom
+    ops' per-call glue); values and gradients still match PyTorch's, and a double backward
+    still raises DoubleBackwardError."""
+    torch.manual_seed(0)
+    fmt = FMT[layout]
+    x = torch.randn(4, 64, 17, 19, device="cuda").contiguous(memory_format=fmt).requires_grad_(True)
+    # The reference runs on an NCHW copy: PyTorch's own channels-last avg_pool2d backward on CUDA
+    # is wrong for some shapes (bench/results/logs/avg_bwd_nhwc_check.log), ckgen's is not.
+    xr = x.detach().contiguous().requires_grad_(True)
+    gn, gn_ref = ct.GroupNormSwish(8, 64).cuda(), nn.GroupNorm(8, 64).cuda()
+    with torch.no_grad():
+        gn.weight.normal_(1, 0.1), gn.bias.normal_(0, 0.1)
+        gn_ref.weight.copy_(gn.weight), gn_ref.bias.copy_(gn.bias)
+    for mine, ref, fn in ((gn, lambda t: F.silu(gn_ref(t)), "GroupNormFnBackward"),
+                          (ct.MaxPool2d(3, 2, 1), nn.MaxPool2d(3, 2, 1), "MaxPoolFnBackward"),
+                          (ct.MaxPool2d(3, 2, 1, indices="recompute"), nn.MaxPool2d(3, 2, 1), "MaxPoolFnBackward"),
+                          (ct.AvgPool2d(3, 2, 1), nn.AvgPool2d(3, 2, 1), "AvgPoolFnBackward")):
+        y, yr = mine(x), ref(xr)
+        assert type(y.grad_fn).__name__ == fn, (fn, y.grad_fn)
+        assert y.is_contiguous(memory_format=fmt)
+        dy = torch.randn_like(yr)
+        (gx,) = torch.autograd.grad(y, x, dy)
+        (gr,) = torch.autograd.grad(yr, xr, dy)
+        torch.testing.assert_close(y, yr, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(gx, gr, atol=1e-4, rtol=1e-4)
+        assert gx.is_contiguous(memory_format=fmt)
+    y = gn(x)
+    y.backward(torch.ones_like(y))
+    yr = F.silu(gn_ref(xr))
+    yr.backward(torch.ones_like(yr))
+    torch.testing.assert_close(gn.weight.grad, gn_ref.weight.grad, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(gn.bias.grad, gn_ref.bias.grad, atol=1e-3, rtol=1e-4)
+    (g,) = torch.autograd.grad(gn(x).square().sum(), x, create_graph=True)
+    with pytest.raises(ct.DoubleBackwardError, match="has no backward"):
+        g.sum().backward()

@@ -17,8 +17,10 @@ Columns, all in one run on the same weights and inputs:
   ck_compile    torch.compile(converted, fullgraph=True)
   ck_compile_ro torch.compile(converted, fullgraph=True, mode="reduce-overhead")
 
-Each cell: host-inclusive ms per step (wall clock over >= --min-steps steps, synchronized;
-what a training loop sees) and GPU-only ms per step (the sum of the device kernels' times over
+Each cell: host-inclusive ms per step (wall clock, synchronized; what a training loop sees:
+after every column of a row has run, its columns are timed again in --interleave rounds of
+--min-steps steps each, in rotating order, and the median is reported, so that the host's drift
+over a run does not decide a comparison; the column's own first timing is kept as host_ms_seq) and GPU-only ms per step (the sum of the device kernels' times over
 profiled steps, torch.profiler), and the share of GPU time in GroupNorm / pooling kernels
 (kernel names with "group_norm"/"groupnorm" or "pool": PyTorch's, Triton's fused ones, ckgen's).
 A column that fails records its error and the run goes on. Rows (and within a row the columns,
@@ -284,6 +286,25 @@ def measure(step, device, min_steps: int, min_seconds: float, profile_steps: int
             "first_s": first_s}
 
 
+def interleaved_host_ms(steps: dict, device, rounds: int, n: int) -> dict:
+    """Host-inclusive ms per step of each column, timed in `rounds` interleaved rounds (each round
+    runs n steps of every column, in a rotating order) and reduced by the median: the host's speed
+    drifts over a run, and columns timed minutes apart would compare the drift, not the columns."""
+    cols = list(steps)
+    times: dict = {c: [] for c in cols}
+    for c in cols:  # one step each first: nothing is timed that (re)compiles or reallocates
+        steps[c]()
+    for r in range(rounds):
+        for c in cols[r % len(cols):] + cols[: r % len(cols)]:
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                steps[c]()
+            _sync(device)
+            times[c].append((time.perf_counter() - t0) * 1e3 / n)
+    return {c: sorted(v)[len(v) // 2] for c, v in times.items()}
+
+
 class _Notices(logging.Handler):
     """Collects the ckgen logger's notices (dispatcher fallbacks to untuned configs)."""
 
@@ -326,12 +347,13 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
     handler = _Notices()
     logging.getLogger("ckgen").addHandler(handler)
     ct.reset_fallbacks()
+    live: dict = {}  # column -> its step, kept for the interleaved host timing
+    torch._dynamo.reset()  # once per row: a reset between columns would make the earlier ones recompile
     try:
         for col in sorted(args.columns, key=RUN_ORDER.index):
             if time.perf_counter() > deadline:
                 row.cells[col] = {"error": "skipped: time budget spent"}
                 continue
-            torch._dynamo.reset()
             t_col = time.perf_counter()
             try:
                 model = copy.deepcopy(conv if col.startswith("ck_") else base)
@@ -347,6 +369,7 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
                 step = make_step(fn, model, x, row.mode)
                 row.cells[col] = measure(step, device, args.min_steps, args.min_seconds, args.profile_steps,
                                          args.warmup)
+                live[col] = step
             except Exception as e:  # noqa: BLE001 - one column's failure is data
                 msg = f"{e.__class__.__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 row.cells[col] = {"error": msg}
@@ -355,15 +378,21 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
             finally:
                 row.cells.setdefault(col, {})["wall_s"] = time.perf_counter() - t_col
                 fn = model = step = None  # noqa: F841
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
             c = row.cells[col]
             print(f"  {col:14s} " + (f"host {c['host_ms']:8.3f} ms  gpu {c['gpu_ms']:8.3f} ms  "
                                      f"gn {c['gn_share']:.0%} pool {c['pool_share']:.0%}  "
                                      f"(first step {c['first_s']:.1f} s)" if "host_ms" in c else c.get("error", "")),
                   flush=True)
+        if args.interleave and len(live) > 1 and time.perf_counter() < deadline:
+            for col, ms in interleaved_host_ms(live, device, args.interleave, args.min_steps).items():
+                c = row.cells[col]
+                c["host_ms_seq"], c["host_ms"] = c["host_ms"], ms
+            print("  interleaved host ms: " + ", ".join(f"{c} {row.cells[c]['host_ms']:.3f}" for c in live), flush=True)
     finally:
         logging.getLogger("ckgen").removeHandler(handler)
+        live.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     untuned = sorted({m for m in handler.messages if "runs PyTorch's op" not in m})
     if untuned:
         row.notes.append(f"ckgen dispatcher: {len(untuned)} problem(s) not tuned on this GPU (nearest/default "
@@ -526,6 +555,8 @@ def main() -> int:
     ap.add_argument("--min-seconds", type=float, default=0.5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--interleave", type=int, default=5,
+                    help="rounds of interleaved host timing over a row's columns (0: each column's own run only)")
     ap.add_argument("--tune-trials", type=int, default=0, help="tune untuned GroupNorm problems of the rows first")
     ap.add_argument("--out", default=None)
     ap.add_argument("--verbose", action="store_true")

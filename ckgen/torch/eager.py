@@ -1,11 +1,12 @@
 """The eager fast path: `torch.autograd.Function`s over the same CUDA kernels as the custom ops.
 
-Why: an eager call of a `torch.library.custom_op` with autograd goes through the op's Python
-dispatcher glue (schema binding, pytree flattening, the generated autograd function, the
+Why: an eager call of an operator with a Python autograd formula goes through the dispatcher's
+Python glue (schema binding, pytree flattening, the generated autograd function, the
 `setup_context` call) on every call. Measured on an H100 host (tools/torch-host-diag.py,
-bench/results/logs/torch_eager_host_diag-*.log): a max pool forward with a gradient took 416 us
-of host time through the custom op against 61 us for the plain ckgen call, and a converted
-training step got slower than PyTorch's although its GPU time got faster.
+bench/results/logs/torch_eager_host_diag-*.log), when the ops were still `torch.library.custom_op`s:
+a max pool forward with a gradient took 416 us of host time through the op against 61 us for
+the plain ckgen call, and a converted training step got slower than PyTorch's although its GPU
+time got faster.
 
 So, in eager mode, `ckgen.torch.functional` (and so the modules and `convert`) call these
 Functions: forward and backward call the custom ops' own CUDA implementations

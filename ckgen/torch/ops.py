@@ -36,10 +36,10 @@ indices for `maxpool2d_fwd_with_indices` (else the backward recomputes the argma
 pooling saves nothing. mean, rstd and indices are not differentiable. The backward ops have no
 backward: a double backward raises `DoubleBackwardError`.
 """
-# No `from __future__ import annotations`: custom_op reads the real type hints.
+# No `from __future__ import annotations`: the schema is inferred from the real type hints.
 import logging
 import threading
-from typing import List, Optional  # typing.List: custom_op reads it on every torch since 2.4
+from typing import List, Optional  # typing.List: infer_schema reads it on every torch since 2.4
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,54 @@ _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 class DoubleBackwardError(RuntimeError):
     """A gradient of a ckgen backward was asked for (create_graph=True, then backward again)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Op definition: torch.library.define + impl, not torch.library.custom_op
+# ---------------------------------------------------------------------------------------------
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+
+
+class _Op:
+    """A `ckgen::<name>` operator: the schema inferred from the CUDA implementation's type hints
+    (`torch.library.infer_schema`, as custom_op does), that function registered as the CUDA
+    kernel with `Library.impl`, and custom_op's registration methods (`register_kernel`,
+    `register_fake`, `register_autograd`) on top of `torch.library`'s.
+
+    Why not `torch.library.custom_op`: its kernels run inside per-call Python wrappers. Measured on
+    CPU with no-op kernels (torch 2.13): a call cost 17.8 us through custom_op and 11.1 us through
+    this with an autograd formula registered, 15.5 vs 4.2 us without; compiled graphs pay that on
+    every ckgen op they run. Calling an `_Op` calls `torch.ops.ckgen.<name>`."""
+
+    def __init__(self, qualname: str, fn) -> None:
+        ns, name = qualname.split("::")
+        assert ns == NAMESPACE, qualname
+        self._name, self._short = qualname, name
+        _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+        _LIB.impl(name, fn, "CUDA")
+        self.packet = getattr(torch.ops.ckgen, name)
+        self.default = self.packet.default
+
+    def __call__(self, *args, **kwargs):
+        return self.packet(*args, **kwargs)
+
+    def register_kernel(self, device_type: str):
+        def register(fn):
+            _LIB.impl(self._short, fn, {"cpu": "CPU", "cuda": "CUDA"}[device_type])
+            return fn
+        return register
+
+    def register_fake(self, fn):
+        torch.library.register_fake(self._name, fn, lib=_LIB)
+        return fn
+
+    def register_autograd(self, backward, setup_context=None) -> None:
+        torch.library.register_autograd(self._name, backward, setup_context=setup_context, lib=_LIB)
+
+
+def _op(qualname: str):
+    """Decorator: define `qualname` with the decorated function as its CUDA kernel."""
+    return lambda fn: _Op(qualname, fn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,10 +361,7 @@ def cuda_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor
     return ckgen.groupnorm_fwd(x, gamma, beta, groups, eps=eps, activation=_act(activation))
 
 
-@torch.library.custom_op("ckgen::groupnorm_fwd", mutates_args=(), device_types="cuda")
-def groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float = 1e-5,
-                  activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
-    return cuda_groupnorm_fwd(x, gamma, beta, groups, eps, activation)
+groupnorm_fwd = _Op("ckgen::groupnorm_fwd", cuda_groupnorm_fwd)
 
 
 @groupnorm_fwd.register_kernel("cpu")
@@ -355,10 +400,7 @@ def cuda_groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma:
     return ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation=_act(activation))
 
 
-@torch.library.custom_op("ckgen::groupnorm_bwd", mutates_args=(), device_types="cuda")
-def groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
-                  beta: Optional[Tensor] = None, activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
-    return cuda_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta, activation)
+groupnorm_bwd = _Op("ckgen::groupnorm_bwd", cuda_groupnorm_bwd)
 
 
 @groupnorm_bwd.register_kernel("cpu")
@@ -386,10 +428,7 @@ def cuda_groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, g
     return ckgen.groupnorm_bwd_data(dy, x, mean, rstd, gamma, groups, beta, activation=_act(activation))
 
 
-@torch.library.custom_op("ckgen::groupnorm_bwd_data", mutates_args=(), device_types="cuda")
-def groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
-                       beta: Optional[Tensor] = None, activation: str = "none") -> Tensor:
-    return cuda_groupnorm_bwd_data(dy, x, mean, rstd, gamma, groups, beta, activation)
+groupnorm_bwd_data = _Op("ckgen::groupnorm_bwd_data", cuda_groupnorm_bwd_data)
 
 
 @groupnorm_bwd_data.register_kernel("cpu")
@@ -417,11 +456,7 @@ def cuda_groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Ten
     return ckgen.groupnorm_bwd_gamma_beta(dy, x, mean, rstd, groups, gamma, beta, activation=_act(activation))
 
 
-@torch.library.custom_op("ckgen::groupnorm_bwd_gamma_beta", mutates_args=(), device_types="cuda")
-def groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, groups: int,
-                             gamma: Optional[Tensor] = None, beta: Optional[Tensor] = None,
-                             activation: str = "none") -> tuple[Tensor, Tensor]:
-    return cuda_groupnorm_bwd_gamma_beta(dy, x, mean, rstd, groups, gamma, beta, activation)
+groupnorm_bwd_gamma_beta = _Op("ckgen::groupnorm_bwd_gamma_beta", cuda_groupnorm_bwd_gamma_beta)
 
 
 @groupnorm_bwd_gamma_beta.register_kernel("cpu")
@@ -453,10 +488,7 @@ def cuda_maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], pad
     return ckgen.maxpool2d_fwd(x, tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), ceil_mode)
 
 
-@torch.library.custom_op("ckgen::maxpool2d_fwd", mutates_args=(), device_types="cuda")
-def maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
-                  ceil_mode: bool) -> Tensor:
-    return cuda_maxpool2d_fwd(x, kernel_size, stride, padding, dilation, ceil_mode)
+maxpool2d_fwd = _Op("ckgen::maxpool2d_fwd", cuda_maxpool2d_fwd)
 
 
 @maxpool2d_fwd.register_kernel("cpu")
@@ -484,10 +516,7 @@ def cuda_maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: L
                                return_indices=True)
 
 
-@torch.library.custom_op("ckgen::maxpool2d_fwd_with_indices", mutates_args=(), device_types="cuda")
-def maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                               dilation: List[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
-    return cuda_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
+maxpool2d_fwd_with_indices = _Op("ckgen::maxpool2d_fwd_with_indices", cuda_maxpool2d_fwd_with_indices)
 
 
 @maxpool2d_fwd_with_indices.register_kernel("cpu")
@@ -516,10 +545,7 @@ def cuda_maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: Li
                                indices=indices)
 
 
-@torch.library.custom_op("ckgen::maxpool2d_bwd", mutates_args=(), device_types="cuda")
-def maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                  dilation: List[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
-    return cuda_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
+maxpool2d_bwd = _Op("ckgen::maxpool2d_bwd", cuda_maxpool2d_bwd)
 
 
 @maxpool2d_bwd.register_kernel("cpu")
@@ -548,10 +574,7 @@ def cuda_avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], pad
                                divisor_override)
 
 
-@torch.library.custom_op("ckgen::avgpool2d_fwd", mutates_args=(), device_types="cuda")
-def avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], ceil_mode: bool,
-                  count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
-    return cuda_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+avgpool2d_fwd = _Op("ckgen::avgpool2d_fwd", cuda_avgpool2d_fwd)
 
 
 @avgpool2d_fwd.register_kernel("cpu")
@@ -579,10 +602,7 @@ def cuda_avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: Li
                                divisor_override)
 
 
-@torch.library.custom_op("ckgen::avgpool2d_bwd", mutates_args=(), device_types="cuda")
-def avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
-                  ceil_mode: bool, count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
-    return cuda_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+avgpool2d_bwd = _Op("ckgen::avgpool2d_bwd", cuda_avgpool2d_bwd)
 
 
 @avgpool2d_bwd.register_kernel("cpu")

@@ -37,3 +37,22 @@ def _isolated_db(tmp_path, monkeypatch):
     online.reset()
     dispatcher().reload()  # the DB paths changed: no choice or launch plan of another test's DB
     yield
+
+
+@pytest.fixture
+def inproc(capsys, monkeypatch):
+    """Run the CLI's main() in this process; returns (exit code, stdout, stderr)."""
+    from rich.console import Console
+
+    from ckgen import cli
+
+    # A wide stdout console so table cells are not wrapped (the module's is made at import).
+    monkeypatch.setattr(cli, "console", Console(soft_wrap=True, width=400))
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

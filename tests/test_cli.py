@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from ckgen import cli
 from ckgen import db as dbmod
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
@@ -49,21 +47,6 @@ def corrupt(tmp_path: Path) -> Path:
     path = tmp_path / "corrupt.yaml"
     path.write_text("schema: 1\nentries:\n  - op: [unclosed\n")
     return path
-
-
-@pytest.fixture
-def inproc(capsys, monkeypatch):
-    """Run main() in this process; returns (exit code, stdout, stderr)."""
-    # A wide stdout console so table cells are not wrapped (the module's is made at import).
-    monkeypatch.setattr(cli, "console", Console(soft_wrap=True, width=400))
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = cli.main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def tsv(out: str) -> list[list[dict[str, str]]]:

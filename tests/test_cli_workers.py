@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 import wtimes
-from ckgen import cli
 from ckgen import db as dbmod
 from ckgen import target as target_mod
 from ckgen import workers as wk
@@ -18,19 +16,6 @@ from ckgen.replay import ReplayBackend, ReplayEvaluator
 from ckgen.tune import search
 
 OP = wtimes.OP
-
-
-@pytest.fixture
-def inproc(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "console", Console(soft_wrap=True, width=400))
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = cli.main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 @pytest.fixture

@@ -9,9 +9,7 @@ import itertools
 import json
 
 import pytest
-from rich.console import Console
 
-from ckgen import cli
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import full_shapes
 from ckgen.types import Config, Target
@@ -98,19 +96,6 @@ def test_batches_multiply_shapes_that_omit_n():
     assert full_shapes({}, [2, 64, 112, 112], 4) == [(2, 64, 112, 112)]
     with pytest.raises(ValueError, match="expected 3 numbers"):
         full_shapes({"batches": [1]}, [2, 64, 112, 112], 4)
-
-
-@pytest.fixture
-def inproc(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "console", Console(soft_wrap=True, width=400))
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = cli.main(list(args))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def test_tune_list_shows_the_grids_and_their_problems_without_a_gpu(inproc, monkeypatch):

@@ -38,15 +38,6 @@ def usable(x: Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
-def _like(g: Tensor, x: Tensor) -> Tensor:
-    """An incoming gradient in x's dtype and layout (a no-op in the usual case)."""
-    if g.dtype != x.dtype:
-        g = g.to(x.dtype)
-    if x.is_contiguous():
-        return g if g.is_contiguous() else g.contiguous()
-    return g if g.is_contiguous(memory_format=torch.channels_last) else g.contiguous(memory_format=torch.channels_last)
-
-
 class GroupNormFn(torch.autograd.Function):
     """y = GroupNorm(x) (+ swish); mean and rstd stay inside (the backward's inputs)."""
 
@@ -63,21 +54,10 @@ class GroupNormFn(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x, gamma, beta = ctx.saved_tensors
         mean, rstd = ctx.stats
-        need_x, need_g, need_b = ctx.needs_input_grad[:3]
-        dy = _like(dy, x)
-        G, act = ctx.groups, ctx.activation
-        if torch.is_grad_enabled():  # create_graph=True: the custom ops (their backward raises DoubleBackwardError)
-            bwd, bwd_data, bwd_gb = ops.groupnorm_bwd, ops.groupnorm_bwd_data, ops.groupnorm_bwd_gamma_beta
-        else:
-            bwd, bwd_data, bwd_gb = ops.cuda_groupnorm_bwd, ops.cuda_groupnorm_bwd_data, ops.cuda_groupnorm_bwd_gamma_beta
-        dx = dgamma = dbeta = None
-        if need_x and (need_g or need_b):
-            dx, dgamma, dbeta = bwd(dy, x, mean, rstd, gamma, G, beta, act)
-        elif need_x:
-            dx = bwd_data(dy, x, mean, rstd, gamma, G, beta, act)
-        elif need_g or need_b:
-            dgamma, dbeta = bwd_gb(dy, x, mean, rstd, G, gamma, beta, act)
-        return dx, dgamma if need_g else None, dbeta if need_b else None, None, None, None
+        # create_graph=True goes through the ops, whose backward raises DoubleBackwardError
+        grads = ops.gn_grads(dy, x, gamma, beta, mean, rstd, ctx.groups, ctx.activation, *ctx.needs_input_grad[:3],
+                             direct=not torch.is_grad_enabled())
+        return (*grads, None, None, None)
 
 
 class MaxPoolFn(torch.autograd.Function):
@@ -101,7 +81,7 @@ class MaxPoolFn(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None, None
         bwd = ops.maxpool2d_bwd if torch.is_grad_enabled() else ops.cuda_maxpool2d_bwd
-        return bwd(_like(dy, x), x, *ctx.params, ctx.indices), None, None, None, None, None, None
+        return bwd(ops.grad_like(dy, x, x.dtype), x, *ctx.params, ctx.indices), None, None, None, None, None, None
 
 
 class AvgPoolFn(torch.autograd.Function):
@@ -111,18 +91,15 @@ class AvgPoolFn(torch.autograd.Function):
     def forward(ctx, x: Tensor, k: list, s: list, p: list, ceil_mode: bool, count_include_pad: bool,
                 divisor_override: Optional[int]) -> Tensor:
         ctx.params = (k, s, p, ceil_mode, count_include_pad, divisor_override)
-        ctx.x_meta = (tuple(x.shape), x.dtype, x.device,
-                      torch.contiguous_format if x.is_contiguous() else torch.channels_last)
+        ctx.x_meta = ops.avg_x_meta(x)
         return ops.cuda_avgpool2d_fwd(x, k, s, p, ceil_mode, count_include_pad, divisor_override)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None, None
-        shape, dtype, device, fmt = ctx.x_meta
-        x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read
-        bwd = ops.avgpool2d_bwd if torch.is_grad_enabled() else ops.cuda_avgpool2d_bwd
-        return bwd(_like(dy, x_like), x_like, *ctx.params), None, None, None, None, None, None
+        return ops.avg_dx(dy, ctx.x_meta, ctx.params, direct=not torch.is_grad_enabled()), None, None, None, None, \
+            None, None
 
 
 __all__ = ["AvgPoolFn", "GroupNormFn", "MaxPoolFn", "usable"]

@@ -625,7 +625,7 @@ def _needs(ctx, i: int) -> bool:
     return i < len(n) and bool(n[i])
 
 
-def _like(g: Tensor, x_or_fmt, dtype: torch.dtype) -> Tensor:
+def grad_like(g: Tensor, x_or_fmt, dtype: torch.dtype) -> Tensor:
     """An incoming gradient in the dtype and memory layout the backward kernel needs."""
     fmt = x_or_fmt if isinstance(x_or_fmt, torch.memory_format) else memory_format_of(x_or_fmt)
     return g.to(dtype).contiguous(memory_format=fmt)
@@ -641,19 +641,30 @@ def _gn_setup(ctx, inputs, output):
     ctx.save_for_backward(x, gamma, beta if activation == "swish" else None, mean, rstd)
 
 
+def gn_grads(dy, x, gamma, beta, mean, rstd, groups, activation, need_x, need_g, need_b, direct=False):
+    """(dx, dgamma, dbeta) of GroupNorm, None where not needed, through the backward op that computes
+    just what is needed (groupnorm_bwd, _bwd_data or _bwd_gamma_beta). direct=True calls their CUDA
+    implementations instead of the ops (the eager fast path, ckgen/torch/eager.py)."""
+    dx = dgamma = dbeta = None
+    dy = grad_like(dy, x, x.dtype)
+    if direct:
+        bwd, bwd_data, bwd_gb = cuda_groupnorm_bwd, cuda_groupnorm_bwd_data, cuda_groupnorm_bwd_gamma_beta
+    else:
+        bwd, bwd_data, bwd_gb = groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta
+    if need_x and (need_g or need_b):
+        dx, dgamma, dbeta = bwd(dy, x, mean, rstd, gamma, groups, beta, activation)
+    elif need_x:
+        dx = bwd_data(dy, x, mean, rstd, gamma, groups, beta, activation)
+    elif need_g or need_b:
+        dgamma, dbeta = bwd_gb(dy, x, mean, rstd, groups, gamma, beta, activation)
+    return dx, dgamma if need_g else None, dbeta if need_b else None
+
+
 def _gn_backward(ctx, dy, _dmean, _drstd):
     x, gamma, beta, mean, rstd = ctx.saved_tensors
-    need_x, need_g, need_b = _needs(ctx, 0), _needs(ctx, 1), _needs(ctx, 2)
-    dx = dgamma = dbeta = None
-    dy = _like(dy, x, x.dtype)
-    G, act = ctx.groups, ctx.activation
-    if need_x and (need_g or need_b):
-        dx, dgamma, dbeta = groupnorm_bwd(dy, x, mean, rstd, gamma, G, beta, act)
-    elif need_x:
-        dx = groupnorm_bwd_data(dy, x, mean, rstd, gamma, G, beta, act)
-    elif need_g or need_b:
-        dgamma, dbeta = groupnorm_bwd_gamma_beta(dy, x, mean, rstd, G, gamma, beta, act)
-    return dx, dgamma if need_g else None, dbeta if need_b else None, None, None, None
+    grads = gn_grads(dy, x, gamma, beta, mean, rstd, ctx.groups, ctx.activation,
+                     _needs(ctx, 0), _needs(ctx, 1), _needs(ctx, 2))
+    return (*grads, None, None, None)
 
 
 groupnorm_fwd.register_autograd(_gn_backward, setup_context=_gn_setup)
@@ -673,7 +684,7 @@ def _max_backward(ctx, dy, *_didx):
     x, indices = ctx.saved_tensors
     if not _needs(ctx, 0):
         return None, None, None, None, None, None
-    dx = maxpool2d_bwd(_like(dy, x, x.dtype), x, *ctx.params, indices)
+    dx = maxpool2d_bwd(grad_like(dy, x, x.dtype), x, *ctx.params, indices)
     return dx, None, None, None, None, None
 
 
@@ -681,22 +692,30 @@ maxpool2d_fwd.register_autograd(_max_backward, setup_context=_max_setup)
 maxpool2d_fwd_with_indices.register_autograd(_max_backward, setup_context=_max_setup)
 
 
+def avg_x_meta(x: Tensor) -> tuple:
+    """What avg pooling's backward keeps of x: shape, dtype, device and layout (no tensor)."""
+    return tuple(x.shape), x.dtype, x.device, memory_format_of(x)
+
+
+def avg_dx(dy: Tensor, x_meta: tuple, params: tuple, direct: bool = False) -> Tensor:
+    """avg pooling's dx from dy alone; direct=True calls the CUDA implementation, not the op."""
+    shape, dtype, device, fmt = x_meta
+    x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read
+    return (cuda_avgpool2d_bwd if direct else avgpool2d_bwd)(grad_like(dy, fmt, dtype), x_like, *params)
+
+
 def _avg_setup(ctx, inputs, output):
     x, kernel_size, stride, padding, ceil_mode, count_include_pad = inputs[:6]
     divisor_override = inputs[6] if len(inputs) > 6 else None
     ctx.params = (list(kernel_size), list(stride), list(padding), bool(ceil_mode), bool(count_include_pad),
                   divisor_override)
-    # Nothing saved: the backward needs only x's shape, dtype, device and layout.
-    ctx.x_meta = (tuple(x.shape), x.dtype, x.device, memory_format_of(x))
+    ctx.x_meta = avg_x_meta(x)  # nothing saved
 
 
 def _avg_backward(ctx, dy):
-    shape, dtype, device, fmt = ctx.x_meta
     if not _needs(ctx, 0):
         return None, None, None, None, None, None, None
-    x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read
-    dx = avgpool2d_bwd(_like(dy, fmt, dtype), x_like, *ctx.params)
-    return dx, None, None, None, None, None, None
+    return avg_dx(dy, ctx.x_meta, ctx.params), None, None, None, None, None, None
 
 
 avgpool2d_fwd.register_autograd(_avg_backward, setup_context=_avg_setup)

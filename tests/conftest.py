@@ -1,4 +1,16 @@
+import os
+
 import pytest
+
+
+def pytest_configure(config):
+    """Under compute-sanitizer (tools/sanitize.sh sets CKGEN_SANITIZE=1) every buffer is its own
+    cudaMalloc: CuPy's pool would hide an out-of-bounds access that lands inside pooled memory."""
+    if os.environ.get("CKGEN_SANITIZE"):
+        import cupy
+
+        cupy.cuda.set_allocator(None)
+        cupy.cuda.set_pinned_memory_allocator(None)
 
 
 def pytest_collection_modifyitems(config, items):

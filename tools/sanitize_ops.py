@@ -1,0 +1,104 @@
+"""Every op family's configs, round-robin, for compute-sanitizer (tools/sanitize.sh runs it).
+
+    python tools/sanitize_ops.py [--configs 6] [--prepare]
+
+Families: each of the 8 ops x fp32/bf16 (+ fp16 for the forward ops) x NCHW/NHWC, GroupNorm
+with and without swish, pooling on two geometries (one with padding, ceil_mode and dilation) and
+both max-pool backward index modes. Small problems with ragged tails (odd H*W, C/G not a multiple of
+a vector). Per family: the space's default (or nearest valid) config, then seeded random valid
+ones, each run through ckgen.verify.Harness (fresh random inputs, NaN-poisoned outputs, checked
+against the float64 reference).
+
+The order is round-robin (every family's first config, then every family's second, ...), so a
+sanitizer run cut by a time limit has still covered every family. --prepare only compiles every
+instance (into CKGEN_CACHE_DIR's cubin cache, in parallel), so that the run under the sanitizer
+spends its time in kernels, not in NVRTC. One line per check; exit 1 if any check failed."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GN_SHAPES = {"groupnorm_fwd": (2, 48, 7, 9, 4), "groupnorm_bwd": (2, 48, 7, 9, 4),
+             "groupnorm_bwd_data": (2, 40, 5, 11, 8), "groupnorm_bwd_gamma_beta": (3, 24, 9, 7, 6)}
+POOL_SHAPE = dict(N=2, C=24, H=13, W=17)
+POOL_GEOS = {"max": [dict(kernel=3, stride=2, padding=1),
+                     dict(kernel=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(2, 1), ceil_mode=True)],
+             "avg": [dict(kernel=3, stride=2, padding=1),
+                     dict(kernel=4, stride=3, padding=2, ceil_mode=True, count_include_pad=False)]}
+
+
+def families():
+    from ckgen.ops import all_ops
+
+    out = []
+    for op in all_ops():
+        fwd = op.name in ("groupnorm_fwd", "maxpool2d_fwd", "avgpool2d_fwd")
+        dtypes = ("fp32", "bf16", "fp16") if fwd else ("fp32", "bf16")
+        for dt, lay in itertools.product(dtypes, ("nchw", "nhwc")):
+            if op.name.startswith("groupnorm"):
+                N, C, H, W, G = GN_SHAPES[op.name]
+                acts = ("none",) if op.name == "groupnorm_bwd_gamma_beta" else ("none", "swish")
+                for act in acts:
+                    out.append((op, op.parse_problem(N=N, C=C, H=H, W=W, G=G, dtype=dt, layout=lay, activation=act)))
+            else:
+                pool = "max" if op.name.startswith("max") else "avg"
+                extra = [dict(indices=i) for i in ("stored", "recompute")] if op.name == "maxpool2d_bwd" else [{}]
+                for geo, ex in itertools.product(POOL_GEOS[pool], extra):
+                    out.append((op, op.parse_problem(**POOL_SHAPE, dtype=dt, layout=lay, **geo, **ex)))
+    return out
+
+
+def configs(op, p, target, n):
+    valid = [c for c in op.space.enumerate() if op.validate(p, c, target)]
+    first = op.space.nearest_default(lambda c: bool(op.validate(p, c, target)))
+    rest = [c for c in valid if c != first]
+    random.Random(p.key()).shuffle(rest)
+    return [first, *rest][:n]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", type=int, default=6, help="configs per family (default 6)")
+    ap.add_argument("--prepare", action="store_true", help="only compile every instance into the cubin cache")
+    args = ap.parse_args()
+
+    from ckgen.compile import compile_many
+    from ckgen.instance import render_instance
+    from ckgen.target import current_target
+    from ckgen.verify import Harness
+
+    target = current_target()
+    fams = [(op, p, configs(op, p, target, args.configs)) for op, p in families()]
+    if args.prepare:
+        srcs = [render_instance(op, p, c, target) for op, p, cs in fams for c in cs]
+        failures = compile_many(srcs, target)
+        print(f"compiled {len(srcs)} instances of {len(fams)} families; {len(failures)} failed")
+        return 1 if failures else 0
+    print(f"{len(fams)} families x up to {args.configs} configs, round-robin", flush=True)
+    harness = {}
+    bad = 0
+    t0 = time.time()
+    for r in range(args.configs):
+        for op, p, cs in fams:
+            if r >= len(cs):
+                continue
+            key = (op.name, p.key())
+            h = harness.get(key) or harness.setdefault(key, Harness(op, p, seed=r))
+            src = render_instance(op, p, cs[r], target)
+            chk = h.check(h.runner(src, cs[r], target))
+            bad += not chk.ok
+            print(f"[{time.time() - t0:7.1f}s] round {r} {'ok  ' if chk.ok else 'FAIL'} {src.name} "
+                  f"{p.key()} {'' if chk.ok else chk.detail}", flush=True)
+        print(f"round {r} done: {len(fams)} families", flush=True)
+    print(f"all done: {bad} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -69,12 +69,13 @@ def summarize(res, attrs=("model", "nearest", "default", "oracle")) -> list[str]
     return lines
 
 
-def all_problems(recs, fitter=None) -> list:
+def all_problems(recs, fitter=None, as_dispatched=True) -> list:
     """Every recorded problem with at least two timed configs held out in turn (fit on the rest,
-    pick among its timed candidates); returns the LooResult rows."""
+    pick among its timed candidates: those the dispatcher would rank, by default); returns the
+    LooResult rows."""
     from ckgen import costmodel as cm
 
-    return cm.leave_one_out(recs, min_recorded=2, fitter=fitter)
+    return cm.leave_one_out(recs, min_recorded=2, fitter=fitter, as_dispatched=as_dispatched)
 
 
 def main() -> int:
@@ -84,12 +85,14 @@ def main() -> int:
     ap.add_argument("--all", action="store_true",
                     help="every recorded problem with a choice (2+ timed configs), grouped by op/layout")
     ap.add_argument("--rows", action="store_true", help="with --all: one line per held-out problem too")
+    ap.add_argument("--reach", action="store_true",
+                    help="with --all: candidates searched among timed configs only (reaches further than dispatch)")
     args = ap.parse_args()
     if args.all:
         from ckgen import records
 
         recs = records.read(records.packaged_records_path())
-        res = all_problems(recs)
+        res = all_problems(recs, as_dispatched=not args.reach)
         if args.rows:
             for r in res:
                 print(f"{r.op:<16} {r.problem[:70]:<70} model {r.model:.3f}x cand-best {r.oracle:.3f}x "

@@ -21,8 +21,8 @@ a call takes max(GPU time, host time), so for tiny problems fewer launches win; 
 ranked by that, then by GPU time.
 
 **Candidates.** Every config that won anywhere (the model file's per-problem best configs from
-the records, and the DB entries of the op) and the space's valid configs up to MAX_STEPS knob
-steps away from them, bounded (MAX_CANDIDATES: ranking 512 takes ~0.1 s, once per problem); each is checked with `op.validate` (and the caller's usability
+the records, and the DB entries of the op) and the space's valid configs one knob step away from
+them, bounded (MAX_CANDIDATES); each is checked with `op.validate` (and the caller's usability
 test: pointer alignment), so the model never picks an invalid config.
 
 **Loading.** `load()`: $CKGEN_MODEL (a path; "off" disables the model), else a model fitted by
@@ -49,7 +49,7 @@ FORMAT = "ckgen-costmodel"
 VERSION = 1
 from .settings import ENV_MODEL  # noqa: E402 - one place for every environment setting
 MAX_CANDIDATES = 512
-MIN_CANDIDATES = MAX_CANDIDATES  # step further (at most MAX_STEPS) until this many are usable
+MIN_CANDIDATES = 24  # fewer usable within one knob step of the winners: look a step further
 MAX_STEPS = 3
 WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
@@ -349,10 +349,8 @@ def neighbours(op: OpSpec, config: Config) -> list[Config]:
 def candidates(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config],
                usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES) -> list[Config]:
     """The usable winners (and the space default), then the usable configs one knob step from
-    them, then a step further (at most MAX_STEPS) while fewer than MIN_CANDIDATES are usable, at
-    most `limit` in all, in a fixed order. The valid config nearest the default when none is
-    usable. (One step, as before, left the best timed config out of the candidates for most
-    NHWC problems: winners lie 2-5 knob steps apart; `bench/costmodel_loo.py --all`.)"""
+    them; while fewer than MIN_CANDIDATES are usable, a step further (at most MAX_STEPS), at most
+    `limit` in all, in a fixed order. The valid config nearest the default when none is usable."""
     seen: set[Config] = set()
     ok: list[Config] = []
     frontier = list(dict.fromkeys([*winners, op.space.default]))

@@ -45,7 +45,62 @@ def gbt_pick(rest, op, p, target, cands):
     return cands[int(np.argmin(pred))]
 
 
+def geomean(xs) -> float:
+    xs = [x for x in xs if x == x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def summarize(res, attrs=("model", "nearest", "default", "oracle")) -> list[str]:
+    """Per op/layout and overall: geomean, worst and share within 1.15x of each column of `res`
+    (LooResult rows)."""
+    groups: dict[str, list] = {}
+    for r in res:
+        groups.setdefault(f"{r.op}/{r.layout}", []).append(r)
+    groups["all"] = list(res)
+    head = f"{'op/layout':<26} {'n':>3} " + " ".join(f"{a + ' geo/worst/<=1.15':>26}" for a in attrs)
+    lines = [head]
+    for name, rs in groups.items():
+        cells = []
+        for a in attrs:
+            xs = [getattr(r, a) for r in rs if getattr(r, a) == getattr(r, a)]
+            within = sum(x <= 1.15 + 1e-9 for x in xs)
+            cells.append(f"{geomean(xs):>9.3f} {max(xs, default=math.nan):>7.3f} {within:>4}/{len(xs):<3}")
+        lines.append(f"{name:<26} {len(rs):>3} " + " ".join(f"{c:>26}" for c in cells))
+    return lines
+
+
+def all_problems(recs, fitter=None, as_dispatched=True) -> list:
+    """Every recorded problem with at least two timed configs held out in turn (fit on the rest,
+    pick among its timed candidates: those the dispatcher would rank, by default); returns the
+    LooResult rows."""
+    from ckgen import costmodel as cm
+
+    return cm.leave_one_out(recs, min_recorded=2, fitter=fitter, as_dispatched=as_dispatched)
+
+
 def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="leave-one-out comparisons of config selectors, CPU only")
+    ap.add_argument("--all", action="store_true",
+                    help="every recorded problem with a choice (2+ timed configs), grouped by op/layout")
+    ap.add_argument("--rows", action="store_true", help="with --all: one line per held-out problem too")
+    ap.add_argument("--reach", action="store_true",
+                    help="with --all: candidates searched among timed configs only (reaches further than dispatch)")
+    args = ap.parse_args()
+    if args.all:
+        from ckgen import records
+
+        recs = records.read(records.packaged_records_path())
+        res = all_problems(recs, as_dispatched=not args.reach)
+        if args.rows:
+            for r in res:
+                print(f"{r.op:<16} {r.problem[:70]:<70} model {r.model:.3f}x cand-best {r.oracle:.3f}x "
+                      f"nearest {r.nearest:.3f}x default {r.default:.3f}x ({r.candidates}/{r.recorded})")
+        print("\nleave-one-problem-out over the records: picked / best timed "
+              "(model: the roofline; oracle: the best timed candidate)")
+        print("\n".join(summarize(res)))
+        return 0
     from ckgen import costmodel as cm
     from ckgen import records
     from ckgen.ops import get_op

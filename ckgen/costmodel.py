@@ -605,6 +605,7 @@ class LooResult:
 
     op: str
     problem: str
+    layout: str
     recorded: int  # configs with a recorded time
     candidates: int  # candidates with a recorded time
     model: float  # the model's pick
@@ -613,11 +614,18 @@ class LooResult:
     default: float  # the space default (or the valid recorded config nearest it)
 
 
-def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50) -> list[LooResult]:
-    """For every problem with at least `min_recorded` timed configs (the exhaustive sweeps): fit
-    on every other problem's records, let the model pick among the candidates the records time,
-    and compare with the best recorded, the candidates' best, the nearest-tuned fallback and the
-    default."""
+def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
+                  fitter: Callable[[list[dict[str, Any]]], "CostModel"] | None = None,
+                  as_dispatched: bool = False) -> list[LooResult]:
+    """For every problem with at least `min_recorded` timed configs (50: the exhaustive sweeps; 2:
+    every recorded problem with a choice): fit (`fitter`, default `fit`) on every other problem's
+    records, let the model pick among the candidates the records time, and compare with the best
+    recorded, the candidates' best, the nearest-tuned fallback and the default.
+
+    `as_dispatched`: the candidates are those the dispatcher would rank (`candidates` with every
+    valid config usable) that the records time; else (and when none of those is timed) the
+    search for candidates counts only timed configs as usable, so it reaches further."""
+    fitter = fitter or fit
     out = []
     for (op_name, arch, key), recs in recmod_by_problem(records):
         timed: dict[Config, float] = {}
@@ -630,10 +638,15 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50) -> 
         op, target = get_op(op_name), Target.named(arch)
         p = op.problem_from_key(key)
         rest = [r for r in records if (r["op"], r["problem"]) != (op_name, key)]
-        model = fit(rest)
+        model = fitter(rest)
         best = min(timed.values())
         usable = lambda c: c in timed and bool(op.validate(p, c, target))  # noqa: E731
-        cands = candidates(op, p, target, model.winner_configs(op), usable)
+        cands = []
+        if as_dispatched:
+            cands = [c for c in candidates(op, p, target, model.winner_configs(op),
+                                           lambda c: bool(op.validate(p, c, target))) if c in timed]
+        if not cands:
+            cands = candidates(op, p, target, model.winner_configs(op), usable)
         pick = model.rank(op, p, cands, target)[0][1]
         # today's fallback: the winner of the nearest other recorded problem whose winner is usable here
         wins: dict[str, tuple[float, Config]] = {}
@@ -645,7 +658,7 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50) -> 
         near = sorted(wins, key=lambda k: op.distance(p, op.problem_from_key(k)))
         near_cfg = next((wins[k][1] for k in near if usable(wins[k][1])), None)
         dflt = op.space.nearest_default(usable)
-        out.append(LooResult(op_name, key, len(timed), len(cands), timed[pick] / best,
+        out.append(LooResult(op_name, key, p.layout, len(timed), len(cands), timed[pick] / best,
                              min(timed[c] for c in cands) / best,
                              timed[near_cfg] / best if near_cfg is not None else math.nan,
                              timed[dflt] / best if dflt is not None else math.nan))

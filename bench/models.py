@@ -1,6 +1,6 @@
 """Model-level benchmark: ckgen.torch.convert in real models, against PyTorch eager and torch.compile.
 
-    python bench/models.py [--quick] [--budget 270] [--out DIR] [--columns ...] [--tune-trials 0]
+    python bench/models.py [--quick] [--budget 270] [--out DIR] [--columns ...] [--rows REGEX] [--tune-trials 0]
 
 Rows (bf16): a stack of 4 Stable-Diffusion-style ResBlocks (GroupNorm, SiLU, 3x3 conv, and
 again, plus the residual; GroupNorm + SiLU consecutive in nn.Sequential, as in LDM's ResBlock, so
@@ -558,6 +558,8 @@ def main() -> int:
     ap.add_argument("--interleave", type=int, default=5,
                     help="rounds of interleaved host timing over a row's columns (0: each column's own run only)")
     ap.add_argument("--tune-trials", type=int, default=0, help="tune untuned GroupNorm problems of the rows first")
+    ap.add_argument("--rows", default=None,
+                    help="a regular expression: only the rows whose label matches it (e.g. 'nhwc train')")
     ap.add_argument("--out", default=None)
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
@@ -589,6 +591,13 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d"), "command": "python bench/models.py " + " ".join(sys.argv[1:]),
             "columns": list(args.columns), "budget_s": budget}
     rows = plan(args.quick, args.smoke)
+    if args.rows:
+        try:
+            rows = [r for r in rows if re.search(args.rows, r.label)]
+        except re.error as e:
+            ap.error(f"--rows: not a regular expression: {e}")
+        if not rows:
+            ap.error(f"--rows: {args.rows!r} matches no row; rows: {', '.join(r.label for r in plan(args.quick, args.smoke))}")
     if args.tune_trials > 0 and device.type == "cuda":
         tune_rows(rows, args.tune_trials, device, args.dtype)
     t0 = time.perf_counter()

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GN_SHAPES = {"groupnorm_fwd": (2, 48, 7, 9, 4), "groupnorm_bwd": (2, 48, 7, 9, 4),
              "groupnorm_bwd_data": (2, 40, 5, 11, 8), "groupnorm_bwd_gamma_beta": (3, 24, 9, 7, 6)}
-POOL_SHAPE = dict(N=2, C=24, H=13, W=17)
-POOL_GEOS = {"max": [dict(kernel=3, stride=2, padding=1),
-                     dict(kernel=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(2, 1), ceil_mode=True)],
-             "avg": [dict(kernel=3, stride=2, padding=1),
-                     dict(kernel=4, stride=3, padding=2, ceil_mode=True, count_include_pad=False)]}
+POOL_SHAPE = {"N": 2, "C": 24, "H": 13, "W": 17}
+POOL_GEOS = {"max": [{"kernel": 3, "stride": 2, "padding": 1},
+                     {"kernel": (3, 2), "stride": (2, 1), "padding": (1, 0), "dilation": (2, 1), "ceil_mode": True}],
+             "avg": [{"kernel": 3, "stride": 2, "padding": 1},
+                     {"kernel": 4, "stride": 3, "padding": 2, "ceil_mode": True, "count_include_pad": False}]}
 
 
 def families():
@@ -48,7 +48,7 @@ def families():
                     out.append((op, op.parse_problem(N=N, C=C, H=H, W=W, G=G, dtype=dt, layout=lay, activation=act)))
             else:
                 pool = "max" if op.name.startswith("max") else "avg"
-                extra = [dict(indices=i) for i in ("stored", "recompute")] if op.name == "maxpool2d_bwd" else [{}]
+                extra = [{"indices": i} for i in ("stored", "recompute")] if op.name == "maxpool2d_bwd" else [{}]
                 for geo, ex in itertools.product(POOL_GEOS[pool], extra):
                     out.append((op, op.parse_problem(**POOL_SHAPE, dtype=dt, layout=lay, **geo, **ex)))
     return out
@@ -66,15 +66,32 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", type=int, default=6, help="configs per family (default 6)")
     ap.add_argument("--prepare", action="store_true", help="only compile every instance into the cubin cache")
+    ap.add_argument("--plan", default=None,
+                    help="a pickle of the families and their configs: --prepare writes it, a run reads it "
+                         "(enumerating the spaces takes tens of seconds; under a sanitizer, do it once)")
     args = ap.parse_args()
+
+    import os
+    import pickle
 
     from ckgen.compile import compile_many
     from ckgen.instance import render_instance
+    from ckgen.ops import get_op
     from ckgen.target import current_target
     from ckgen.verify import Harness
 
+    if os.environ.get("CKGEN_SANITIZE"):  # every buffer its own cudaMalloc: memcheck sees real bounds
+        import cupy
+
+        cupy.cuda.set_allocator(None)
+
     target = current_target()
-    fams = [(op, p, configs(op, p, target, args.configs)) for op, p in families()]
+    if args.plan and not args.prepare and Path(args.plan).exists():
+        fams = [(get_op(name), p, cs) for name, p, cs in pickle.loads(Path(args.plan).read_bytes())]
+    else:
+        fams = [(op, p, configs(op, p, target, args.configs)) for op, p in families()]
+    if args.plan and args.prepare:
+        Path(args.plan).write_bytes(pickle.dumps([(op.name, p, cs) for op, p, cs in fams]))
     if args.prepare:
         srcs = [render_instance(op, p, c, target) for op, p, cs in fams for c in cs]
         failures = compile_many(srcs, target)
@@ -84,7 +101,7 @@ def main() -> int:
     harness = {}
     bad = 0
     t0 = time.time()
-    for r in range(args.configs):
+    for r in range(max(len(cs) for _, _, cs in fams)):
         for op, p, cs in fams:
             if r >= len(cs):
                 continue

@@ -321,16 +321,15 @@ def tune_with(op: Any, problem: Any, target: Any, ev: Any, *, trials: int, max_s
     (default: now), then `tune.final_round` (the study's best and the default, re-timed)."""
     import optuna
 
-    from . import __version__, costmodel
+    from . import __version__
     from .bench import gbps
     from .db import Entry
     from .instance import render_instance
-    from .tune import _n_seeds, final_round, search
+    from .tune import final_round, model_picks, search
 
     t0 = time.monotonic() if started is None else started
     timeout = None if max_seconds is None else max(0.0, max_seconds - (time.monotonic() - t0))
-    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2),
-                                  lambda c: bool(op.validate(problem, c, target)))
+    picks = model_picks(op, problem, target, trials)
     study, default_cfg = search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout, storage=storage,
                                 seed=seed, device=device, model_seeds=tuple(picks), record=record)
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):

@@ -462,6 +462,17 @@ def _n_seeds(trials: int) -> int:
     return max(2, min(12, trials // 4))
 
 
+def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
+                allowed: Callable[[Config], bool] | None = None, model: Any = None) -> tuple[Config, ...]:
+    """The cost model's seeds for a search of `trials` (`search`'s `model_seeds`): its best
+    candidates that `allowed` accepts (default: every valid config). `model`: a CostModel to ask
+    instead of the one in use (a replay passes one fit without the replayed problem's records)."""
+    from . import costmodel
+
+    ok = allowed or (lambda c: bool(op.validate(problem, c, target)))
+    return tuple(costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2), ok, model=model))
+
+
 def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *,
            trials: int, timeout: float | None, storage: Any, seed: int, sampler: str | None = None,
            ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
@@ -657,12 +668,10 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     timer = Timer(info.l2_bytes)
     harness = Harness(op, problem, seed=None)  # fresh random inputs every run
     obj = _Objective(op, problem, target, harness, timer)
-    from . import costmodel
     from .records import Recorder
 
     record = Recorder(op, problem, target, info.name)  # every measurement is data (ckgen/records.py)
-    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2),
-                                  lambda c: bool(op.validate(problem, c, target)))
+    picks = model_picks(op, problem, target, trials)
     study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
                                 storage=storage, seed=seed, sampler=sampler, ahead=ahead, on_trial=on_trial,
                                 warm=warm, device=info.name, model_seeds=tuple(picks), record=record)

@@ -129,11 +129,7 @@ class GpuBackend:
         return Recorder(op, problem, self.info.target, self.info.name)
 
     def model_seeds(self, op: OpSpec, problem: Problem, trials: int) -> tuple[Config, ...]:
-        from . import costmodel
-
-        target = self.info.target
-        return tuple(costmodel.top_configs(op, problem, target, max(1, tune._n_seeds(trials) // 2),
-                                           lambda c: bool(op.validate(problem, c, target))))
+        return tune.model_picks(op, problem, self.info.target, trials)
 
     def copy(self, op: OpSpec, problem: Problem) -> Timing:
         from .bench import Timer

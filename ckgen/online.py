@@ -321,7 +321,7 @@ def tune_with(op: Any, problem: Any, target: Any, ev: Any, *, trials: int, max_s
     (default: now), then `tune.final_round` (the study's best and the default, re-timed)."""
     import optuna
 
-    from . import __version__
+    from . import __version__, costmodel
     from .bench import gbps
     from .db import Entry
     from .instance import render_instance
@@ -331,7 +331,8 @@ def tune_with(op: Any, problem: Any, target: Any, ev: Any, *, trials: int, max_s
     timeout = None if max_seconds is None else max(0.0, max_seconds - (time.monotonic() - t0))
     picks = model_picks(op, problem, target, trials)
     study, default_cfg = search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout, storage=storage,
-                                seed=seed, device=device, model_seeds=tuple(picks), record=record)
+                                seed=seed, device=device, model_seeds=tuple(picks), record=record,
+                                model=costmodel.load())
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         why = (f"every measured config failed (first: {ev.failures[0][1][:200]})" if ev.failures else
                f"the time budget ({max_seconds:g} s) ran out before the first config was measured")

@@ -150,7 +150,8 @@ def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahe
     ok = lambda c: sweep.covers(c) and bool(sweep.op.validate(sweep.problem, c, sweep.target))  # noqa: E731
     picks = model_picks(sweep.op, sweep.problem, sweep.target, trials, ok, held_out_model(sweep)) if model else ()
     search(sweep.op, sweep.problem, sweep.target, sweep.num_sms, ev, trials=trials, timeout=None, storage=storage,
-           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model_seeds=picks)
+           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model_seeds=picks,
+           model=held_out_model(sweep) if model else None)
     found = min((m.timing.median_us for m in ev.measured.values()), default=math.inf)
     return found / sweep.best, ev
 

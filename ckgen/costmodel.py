@@ -558,10 +558,12 @@ def load() -> CostModel | None:
         return model
 
 
-def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Callable[[Config], bool]) -> list[Config]:
+def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Callable[[Config], bool],
+                model: CostModel | None = None) -> list[Config]:
     """The model's `count` best candidates that `allowed` accepts (the tuner's first seeds);
-    none without a model."""
-    model = load()
+    none without a model. `model`: this one instead of the one in use (`load()`), e.g. one fit
+    without the tuned problem's records for a replay."""
+    model = model if model is not None else load()
     if model is None or count <= 0:
         return []
     cands = candidates(op, p, target, model.winner_configs(op), lambda c: bool(allowed(c)))

@@ -325,14 +325,14 @@ def tune_with(op: Any, problem: Any, target: Any, ev: Any, *, trials: int, max_s
     from .bench import gbps
     from .db import Entry
     from .instance import render_instance
-    from .tune import _n_seeds, final_round, search
+    from .tune import final_round, model_picks, search
 
     t0 = time.monotonic() if started is None else started
     timeout = None if max_seconds is None else max(0.0, max_seconds - (time.monotonic() - t0))
-    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2),
-                                  lambda c: bool(op.validate(problem, c, target)))
+    picks = model_picks(op, problem, target, trials)
     study, default_cfg = search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout, storage=storage,
-                                seed=seed, device=device, model_seeds=tuple(picks), record=record)
+                                seed=seed, device=device, model_seeds=tuple(picks), record=record,
+                                model=costmodel.load())
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         why = (f"every measured config failed (first: {ev.failures[0][1][:200]})" if ev.failures else
                f"the time budget ({max_seconds:g} s) ran out before the first config was measured")

@@ -18,7 +18,7 @@ from .bench import Timing
 from .ops import get_op
 from .ops.spec import OpSpec, Problem
 from .types import Config, Target
-from .tune import AHEAD, Measured, TrialFailed, final_measured, search
+from .tune import AHEAD, Measured, TrialFailed, final_measured, model_picks, search
 
 # Sweeps in the first format carry no op or arch: they are groupnorm_fwd runs on an H100.
 LEGACY_OP, LEGACY_ARCH = "groupnorm_fwd", "sm_90"
@@ -117,12 +117,41 @@ class ReplayEvaluator:
         return out, failed
 
 
+_held_out: dict[tuple[str, str], Any] = {}
+
+
+def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
+    """The shipped records (ckgen/data/records.jsonl.gz) without any of the sweep's problem: the
+    shipped ones hold the sweep itself (and bench timings of its problem), so a model fit on them
+    has seen the answer."""
+    from . import records
+
+    key = (sweep.op.name, sweep.problem.key())
+    return [r for r in records.read(records.packaged_records_path()) if (r["op"], r["problem"]) != key]
+
+
+def held_out_model(sweep: Sweep) -> Any:
+    """The cost model a replay seeds from: fit (`costmodel.fit`, as the packaged one) on
+    `held_out_records(sweep)`: leave-one-out, never the packaged model. Cached per problem."""
+    from . import costmodel
+
+    key = (sweep.op.name, sweep.problem.key())
+    if key not in _held_out:
+        _held_out[key] = costmodel.fit(held_out_records(sweep))
+    return _held_out[key]
+
+
 def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahead: int = AHEAD,
-           storage: Any = None) -> tuple[float, ReplayEvaluator]:
-    """One search on the recorded times: (best found / recorded best, the evaluator)."""
+           storage: Any = None, model: bool = True) -> tuple[float, ReplayEvaluator]:
+    """One search on the recorded times, seeded as `ckgen tune` seeds it (`tune.model_picks`) but
+    from `held_out_model(sweep)` (`model=False`: no model seeds): (best found / recorded best,
+    the evaluator)."""
     ev = ReplayEvaluator(sweep.times.get)
+    ok = lambda c: sweep.covers(c) and bool(sweep.op.validate(sweep.problem, c, sweep.target))  # noqa: E731
+    picks = model_picks(sweep.op, sweep.problem, sweep.target, trials, ok, held_out_model(sweep)) if model else ()
     search(sweep.op, sweep.problem, sweep.target, sweep.num_sms, ev, trials=trials, timeout=None, storage=storage,
-           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers)
+           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model_seeds=picks,
+           model=held_out_model(sweep) if model else None)
     found = min((m.timing.median_us for m in ev.measured.values()), default=math.inf)
     return found / sweep.best, ev
 

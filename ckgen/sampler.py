@@ -3,9 +3,12 @@ study holds yet, so nothing invalid or repeated enters the model and no ask is w
 
 Strategies (`ValidSetSampler(strategy=...)`), compared on recorded sweeps by bench/replay_search.py:
 - "gp": a Gaussian process (Matern 5/2, one length scale per feature, fitted to log time by
-  maximum marginal likelihood) and expected improvement, evaluated on every unseen valid config.
-  Configs still being compiled or measured count as measured at the model's mean ("kriging
-  believer"), so a proposal made while they are in flight goes elsewhere. The default.
+  maximum marginal likelihood) and expected improvement, evaluated on the unseen valid configs
+  near the best so far: at most LOCAL_KNOBS knobs away from one of the LOCAL_TOP best measured
+  configs (a trust region; all unseen valid configs once none is left near them). Configs still
+  being compiled or measured count as measured at the model's mean ("kriging believer"), so a
+  proposal made while they are in flight goes elsewhere. The default.
+- "gp-global": the same GP, expected improvement over every unseen valid config (no trust region).
 - "tpe": optuna's TPE (every flag set here), asked again until it proposes an unseen valid
   config; after `REJECT_TRIES` misses, its last proposal is moved to the nearest unseen valid one.
 - "random": uniform over the unseen valid configs.
@@ -27,8 +30,13 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .types import Config
 
-STRATEGIES = ("gp", "tpe", "random", "optuna-gp")
+STRATEGIES = ("gp", "gp-global", "tpe", "random", "optuna-gp")
 DEFAULT_STRATEGY = "gp"
+# "gp"'s trust region: within LOCAL_KNOBS knobs of the LOCAL_TOP best measured configs. Two knobs,
+# because the knobs trade against each other (threads x vector x items is a block's step: one
+# knob changed alone mostly changes it); chosen on the recorded sweeps (bench/replay_search.py).
+LOCAL_TOP = 3
+LOCAL_KNOBS = 2
 REJECT_TRIES = 64  # tpe: asks of the inner sampler before projecting its proposal
 # Trial user attrs that mark a config as settled for good: a real failure (compile, launch, wrong
 # result). Other FAIL trials (a stale RUNNING trial recovered by heartbeat, a cancelled or a
@@ -197,7 +205,8 @@ class ValidSetSampler(optuna.samplers.BaseSampler):
 
     def __init__(self, valid: Sequence[Config], choices: dict[str, Sequence[Any]], strategy: str = DEFAULT_STRATEGY,
                  seed: int | None = 0, n_startup_trials: int = 4,
-                 extra: Callable[[Config], dict[str, float]] | None = None):
+                 extra: Callable[[Config], dict[str, float]] | None = None,
+                 prior: Sequence[float] | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"sampler: {strategy!r} is not one of {list(STRATEGIES)}")
         if not valid:
@@ -214,7 +223,12 @@ class ValidSetSampler(optuna.samplers.BaseSampler):
         self.rng = np.random.default_rng(seed)
         self.encoder = Encoder(self.valid, extra)
         self.x = self.encoder.encode(self.valid)
+        # each knob's value as its index among the choices: configs' knob distance (how many differ)
+        self.codes = np.asarray([[list(choices[n]).index(c[n]) for n in self.names] for c in self.valid],
+                                dtype=np.int64).reshape(len(self.valid), len(self.names))
         self.gp = _GP(self.x.shape[1])
+        # the GP's prior mean: log of a model's predicted time per valid config (0: none)
+        self.prior = np.zeros(len(self.valid)) if prior is None else np.asarray(prior, dtype=np.float64)
         self.inner = (make_tpe(seed, n_startup_trials) if strategy == "tpe"
                       else make_optuna_gp(seed, n_startup_trials) if strategy == "optuna-gp" else None)
         self.proposals = 0  # model-made proposals (enqueued trials are not)
@@ -267,8 +281,8 @@ class ValidSetSampler(optuna.samplers.BaseSampler):
         self.proposals += 1
         if self.strategy == "random" or len(values) < self.n_startup:
             pick = int(self.rng.choice(free))
-        elif self.strategy == "gp":
-            pick = self._gp_pick(values, pending, free)
+        elif self.strategy in ("gp", "gp-global"):
+            pick = self._gp_pick(values, pending, free, local=self.strategy == "gp")
         else:
             pick = self._inner_pick(study, trial, taken, free)
         return self.valid[pick].as_dict()
@@ -290,13 +304,24 @@ class ValidSetSampler(optuna.samplers.BaseSampler):
             self.inner.after_trial(study, trial, state, values)
 
     # -- strategies
-    def _gp_pick(self, values: dict[int, list[float]], pending: list[int], free: np.ndarray) -> int:
+    def near(self, values: dict[int, list[float]], free: np.ndarray) -> np.ndarray:
+        """The configs of `free` within LOCAL_KNOBS knobs of one of the LOCAL_TOP best measured."""
+        top = sorted(values, key=lambda i: (min(values[i]), i))[:LOCAL_TOP]
+        dist = np.min([(self.codes[free] != self.codes[i]).sum(1) for i in top], axis=0)
+        return free[dist <= LOCAL_KNOBS]
+
+    def _gp_pick(self, values: dict[int, list[float]], pending: list[int], free: np.ndarray,
+                 local: bool = False) -> int:
         idx = np.asarray(sorted(values), dtype=int)
         y = np.log(np.asarray([min(values[i]) for i in idx]))
-        self.gp.fit(self.x[idx], y)
+        if local:
+            near = self.near(values, free)
+            free = near if len(near) else free
+        self.gp.fit(self.x[idx], y - self.prior[idx])
         self.gp.believe(self.x[np.asarray(pending, dtype=int)] if pending else np.zeros((0, self.x.shape[1])))
-        mean, sd = self.gp.predict(self.x[free])
-        ei = _expected_improvement(mean, sd, float(self.gp.yf[: len(idx)].min()))
+        mean, sd = self.gp.predict(self.x[free])  # of the residual, standardized
+        mean = self.prior[free] + self.gp.mu + self.gp.sd * mean  # log time
+        ei = _expected_improvement(mean, self.gp.sd * sd, float(y.min()))
         top = np.flatnonzero(ei >= ei.max() * (1.0 - 1e-9))
         return int(free[top[int(self.rng.integers(len(top)))]])
 

@@ -462,12 +462,37 @@ def _n_seeds(trials: int) -> int:
     return max(2, min(12, trials // 4))
 
 
+def _heuristic_seeds(op: OpSpec, seeds: list[Config], count: int, trials: int) -> list[Config]:
+    """`count` of the op's seeds, but at least the first of each family (`op.seed_family`) while
+    they fit in half the budget: times jump between families, so a family no seed stands for is
+    one the model rarely proposes (on the NCHW sweep the best config is the only good one of its
+    family, 16% ahead of the next). In `seeds`' order."""
+    heads: dict[Any, Config] = {}
+    for c in seeds:
+        heads.setdefault(op.seed_family(c), c)
+    room = max(count, min(len(heads), trials // 2))
+    keep = set(list(heads.values())[:room])
+    first = [c for c in seeds if c in keep]
+    return (first + [c for c in seeds if c not in keep])[:room] if len(first) < room else first
+
+
+def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
+                allowed: Callable[[Config], bool] | None = None, model: Any = None) -> tuple[Config, ...]:
+    """The cost model's seeds for a search of `trials` (`search`'s `model_seeds`): its best
+    candidates that `allowed` accepts (default: every valid config). `model`: a CostModel to ask
+    instead of the one in use (a replay passes one fit without the replayed problem's records)."""
+    from . import costmodel
+
+    ok = allowed or (lambda c: bool(op.validate(problem, c, target)))
+    return tuple(costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2), ok, model=model))
+
+
 def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *,
            trials: int, timeout: float | None, storage: Any, seed: int, sampler: str | None = None,
            ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
            warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None,
            device: str = "", model_seeds: tuple[Config, ...] = (),
-           record: Callable[..., None] | None = None, run: Any = None) -> tuple[Any, Config]:
+           record: Callable[..., None] | None = None, run: Any = None, model: Any = None) -> tuple[Any, Config]:
     """The search loop, apart from the device. `ev.start(configs)` begins compiling configs
     without waiting; `ev.measure(config)` returns a Measured or raises TrialFailed. Returns the
     optuna study and the default config (measured first, after any `warm` configs).
@@ -479,7 +504,10 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
     - `restrict`: search only the valid configs it accepts (e.g. those a recorded sweep holds).
     - `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds.
     - `model_seeds`: the cost model's picks, measured right after the default; they take the
-      first of the `_n_seeds(trials)` seed slots, `op.seed_configs` the rest.
+      first of the `_n_seeds(trials)` seed slots, `op.seed_configs` the rest (at least one of
+      each `op.seed_family`, within half the budget: `_heuristic_seeds`).
+    - `model`: a CostModel whose predicted GPU time is the sampler's prior mean (the GP models
+      log time minus log prediction); None: a zero prior mean.
     - `record(config, time_us or None, reason)`: called with every measured config (records).
     - `storage`: None (in memory), an optuna storage, or a URL (`open_storage`). Several tuners
       may share one study: each proposes configs no other holds, and the trials of a tuner that
@@ -500,7 +528,7 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
                            storage=open_storage(storage), seed=seed, sampler=sampler, ahead=ahead,
                            on_trial=on_trial, warm=warm, restrict=restrict, device=device,
                            claims=_claim_lock(storage, study_name(op, problem, target, device)),
-                           model_seeds=model_seeds, record=record, run=run)
+                           model_seeds=model_seeds, record=record, run=run, model=model)
     except (*_storage_errors(), filelock.Timeout) as e:
         raise StudyStorageError(f"optuna study storage {shown_url(storage)}: {e.__class__.__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -511,7 +539,7 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
             on_trial: Callable[[int, int, float], None] | None, warm: tuple[Config, ...],
             restrict: Callable[[Config], bool] | None, device: str, claims: Any,
             model_seeds: tuple[Config, ...] = (), record: Callable[..., None] | None = None,
-            run: Any = None) -> tuple[Any, Config]:
+            run: Any = None, model: Any = None) -> tuple[Any, Config]:
     import optuna
 
     from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
@@ -522,8 +550,11 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
     # Trials are suggested over the space's own values, so a study keeps its distributions.
     choices = {n: list(vals) for n, vals in op.space.params.items()}
     names = list(choices)
+    prior = None
+    if model is not None:  # the cost model's prediction is the GP's prior mean
+        prior = [math.log(max(p.gpu_us, 1e-3)) for p in model.predict_many(op, problem, valid, target)]
     smp = ValidSetSampler(valid, choices, strategy=sampler or DEFAULT_STRATEGY, seed=seed,
-                          extra=geometry(op, problem, target))
+                          extra=geometry(op, problem, target), prior=prior)
     study = optuna.create_study(study_name=study_name(op, problem, target, device), storage=storage,
                                 load_if_exists=True, direction="minimize", sampler=smp)
     if _beats(study._storage):
@@ -534,7 +565,7 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
     seeds = [c for c in op.seed_configs(problem, target, num_sms, count=len(valid)) if c in valid_set]
     picks = list(dict.fromkeys(c for c in model_seeds if c in valid_set))[: _n_seeds(trials)]
     enqueue = [c for c in warm if c in valid_set] + [default_cfg] + picks + \
-        [c for c in seeds if c not in picks][: _n_seeds(trials) - len(picks)]
+        _heuristic_seeds(op, [c for c in seeds if c not in picks], _n_seeds(trials) - len(picks), trials)
     for cfg in dict.fromkeys(enqueue):
         study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
     States = optuna.trial.TrialState
@@ -657,15 +688,16 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     timer = Timer(info.l2_bytes)
     harness = Harness(op, problem, seed=None)  # fresh random inputs every run
     obj = _Objective(op, problem, target, harness, timer)
-    from . import costmodel
     from .records import Recorder
 
     record = Recorder(op, problem, target, info.name)  # every measurement is data (ckgen/records.py)
-    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2),
-                                  lambda c: bool(op.validate(problem, c, target)))
+    from . import costmodel
+
+    picks = model_picks(op, problem, target, trials)
     study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
                                 storage=storage, seed=seed, sampler=sampler, ahead=ahead, on_trial=on_trial,
-                                warm=warm, device=info.name, model_seeds=tuple(picks), record=record)
+                                warm=warm, device=info.name, model_seeds=tuple(picks), record=record,
+                                model=costmodel.load())
     valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
     ranked = final_round(obj, study, default_cfg, valid, rounds)
     for m in ranked:

@@ -129,11 +129,13 @@ class GpuBackend:
         return Recorder(op, problem, self.info.target, self.info.name)
 
     def model_seeds(self, op: OpSpec, problem: Problem, trials: int) -> tuple[Config, ...]:
+        return tune.model_picks(op, problem, self.info.target, trials)
+
+    def model(self) -> Any:
+        """The cost model the sampler's prior mean comes from (`tune.search`'s `model`)."""
         from . import costmodel
 
-        target = self.info.target
-        return tuple(costmodel.top_configs(op, problem, target, max(1, tune._n_seeds(trials) // 2),
-                                           lambda c: bool(op.validate(problem, c, target))))
+        return costmodel.load()
 
     def copy(self, op: OpSpec, problem: Problem) -> Timing:
         from .bench import Timer
@@ -361,7 +363,8 @@ class _Worker:
                     sampler=self.spec.sampler, ahead=self.spec.ahead, on_trial=on_trial,
                     restrict=self.backend.restrict(self.op, p.problem), device=self.info.name,
                     model_seeds=self.backend.model_seeds(self.op, p.problem, self.spec.trials),
-                    record=self.backend.recorder(self.op, p.problem), run=hook)
+                    record=self.backend.recorder(self.op, p.problem), run=hook,
+                    model=getattr(self.backend, "model", lambda: None)())
 
     def _claim(self, p: _Problem) -> bool:
         with self._lock(p.name):

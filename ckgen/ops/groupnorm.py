@@ -208,12 +208,16 @@ class GroupNormFwd(GroupNormOp):
         picked: list[Config] = []
         seen: set[tuple[str, int, str]] = set()
         for c in valid:
-            fam = (c["slice_in"], c["cluster"], c["merge"])
+            fam = self.seed_family(c)
             if fam not in seen:
                 seen.add(fam)
                 picked.append(c)
         picked += [c for c in valid if c not in picked]
         return picked[:count]
+
+    def seed_family(self, config: Config) -> tuple[str, int, str]:
+        """x held in registers or reloaded, the cluster size, the merge (cluster or global)."""
+        return (config["slice_in"], config["cluster"], config["merge"])
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config

@@ -108,12 +108,16 @@ class _GroupNormBwd(GroupNormOp):
         picked: list[Config] = []
         seen: set[tuple[str, bool]] = set()
         for c in valid:
-            fam = (self.scheme(c), c["split"] > 1)
+            fam = self.seed_family(c)
             if fam not in seen:
                 seen.add(fam)
                 picked.append(c)
         picked += [c for c in valid if c not in picked]
         return picked[:count]
+
+    def seed_family(self, config: Config) -> tuple[str, bool]:
+        """The scheme (single_pass, fused, multi_stage) and whether the slice is split."""
+        return (self.scheme(config), config["split"] > 1)
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config

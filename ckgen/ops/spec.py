@@ -164,6 +164,12 @@ class OpSpec(abc.ABC):
         """Configs a tuner should measure first (a warm start); by default none."""
         return []
 
+    def seed_family(self, config: Config) -> Any:
+        """The structural family of a config (knobs that switch the kernel's algorithm, between
+        which times jump rather than vary smoothly), or None (one family). The tuner seeds at
+        least the first of `seed_configs` of each family, so no family is left to the model."""
+        return None
+
     # ---- device buffers, as flat host arrays in device memory order (used by verify/bench) ----
     @abc.abstractmethod
     def pack_inputs(self, problem: Any, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...

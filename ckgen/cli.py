@@ -238,6 +238,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .target import device_info
     from .tune import StudyStorageError, db_entry, shown_url, tune_problem
 
+    if args.skip_tuned:
+        problems = _untuned(op, args, problems, device_info(None).target.arch)
+        if not problems:
+            return 0
     if args.workers is not None:
         return _tune_workers(args, op, problems, db_path)
     fmt = resolve(args.format, console)
@@ -286,6 +290,18 @@ def cmd_tune(args: argparse.Namespace) -> int:
             info_out.print(f"[yellow]failed[/] {r.problem.key()} {cfg}: {why}", highlight=False)
     info_out.print(f"wrote {plural(len(results), 'entry', 'entries')} to {db_path}", markup=False)
     return 0 if len(results) == len(problems) else 1
+
+
+def _untuned(op: Any, args: argparse.Namespace, problems: list[Any], arch: str) -> list[Any]:
+    """`--skip-tuned`: the problems without an entry for this arch in the DB in effect (the user DB
+    over the shipped one), so that a grid tuned over several runs (each cut by --total-timeout)
+    goes on where the last one stopped."""
+    layered = _layers(args)[3]
+    todo = [p for p in problems if layered.lookup(op.name, arch, p.key()) is None]
+    _info(resolve(args.format, console)).print(
+        f"--skip-tuned: {len(problems) - len(todo)} of {plural(len(problems), 'problem')} already tuned for {arch}; "
+        + (f"tuning {len(todo)}" if todo else "nothing to tune"), markup=False)
+    return todo
 
 
 def _tune_list(op: Any, args: argparse.Namespace, problems: list[Any]) -> int:
@@ -785,6 +801,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--list", action="store_true",
                    help="tune nothing: list the op's grids, or with --grid/--shape the problems this command "
                         "would tune (no GPU needed; default: off)")
+    t.add_argument("--skip-tuned", action="store_true",
+                   help="leave out the problems that already have a DB entry for this GPU's arch (user or "
+                        "shipped DB): a grid tuned over several runs, each cut by --total-timeout, goes on "
+                        "where the last one stopped (default: off: every problem is tuned)")
     t.add_argument("--workers", type=_workers, metavar="N|auto",
                    help="N worker processes sharing the problems and the study storage; auto: one per visible "
                         "GPU, each pinned with CUDA_VISIBLE_DEVICES (default: one process, no workers); "

@@ -434,3 +434,20 @@ def test_retune_results(run, fake_gpu, tmp_path: Path) -> None:
     assert "wrote 2 entries for sm_90" in err
     code, out, err = run("retune", "--db", str(db), "--format", "tsv")
     assert code == 0 and tsv(out) == [[]] and "nothing to retune" in err
+
+
+def test_tune_skip_tuned_goes_on_where_the_last_run_stopped(run, fake_gpu, tmp_path: Path) -> None:
+    """--skip-tuned leaves out what the DB in effect already holds for this arch (a grid tuned
+    over several runs); without it every problem is tuned again."""
+    db = tmp_path / "t.yaml"
+    argv = ["tune", "avgpool2d_bwd", "--shape", "8,64,56,56", "--kernel", "3", "--stride", "2", "--padding", "1",
+            "--dtype", "bf16", "--layout", "nhwc", "--db", str(db), "--format", "json"]
+    dbmod.save_entries(db, [pool_entry(0, "sm_90")])  # that very problem, tuned on sm_90
+    code, out, err = run(*argv, "--dtype", "fp16", "--skip-tuned")
+    assert code == 0, err
+    assert "1 of 2 problems already tuned for sm_90; tuning 1" in err
+    assert [r["problem"] for r in json.loads(out)["results"]] == [pool_entry(0).problem.replace("bf16", "fp16")]
+    code, out, err = run(*argv, "--skip-tuned")
+    assert code == 0 and "nothing to tune" in err and out == ""
+    code, out, err = run(*argv)  # without the flag: tuned again
+    assert code == 0 and len(json.loads(out)["results"]) == 1

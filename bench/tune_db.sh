@@ -33,6 +33,8 @@ for item in "${PLAN[@]}"; do
   echo "=== $item (${left} s left)"
   python3 -m ckgen tune "$1" --grid "$2" --skip-tuned --trials "$trials" --total-timeout "$left" \
     --db "$db" --storage "$storage" --format tsv
+  rc=$?  # 1: some problems not tuned (the time budget); 2 and up: no GPU, bad options, storage
+  [ $rc -ge 2 ] && { echo "stopping: ckgen tune exited $rc"; break; }
 done
 python3 - "$db" <<'PY'
 import collections, sys

@@ -57,7 +57,7 @@ MAX_CANDIDATES = 512
 MIN_CANDIDATES = 24  # near tier: fewer usable within one knob step of the winners: look a step further
 MAX_STEPS = 3  # wide tier: up to this many knob steps from the winners
 # A wide-tier candidate must be predicted this much faster than the near tier's best (x 1/(1+M)):
-# chosen on the exhaustive sweeps held out (bench/costmodel_loo.py --all --sweeps): 0.1-0.2 never
+# chosen on the exhaustive sweeps held out (bench/costmodel_loo.py --margins): 0.1-0.2 never
 # made a sweep's pick worse, 0.05 or none did (NHWC 1.30x -> 1.70x); 0.15 the middle.
 WIDE_MARGIN = 0.15
 WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"

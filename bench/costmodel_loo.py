@@ -78,6 +78,71 @@ def all_problems(recs, fitter=None, as_dispatched=True) -> list:
     return cm.leave_one_out(recs, min_recorded=2, fitter=fitter, as_dispatched=as_dispatched)
 
 
+MARGINS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, math.inf)  # inf: the near tier alone
+
+
+def margins(recs, subsets: int = 30) -> None:
+    """How large must a wide-tier candidate's predicted gain be (costmodel.WIDE_MARGIN)? Each
+    problem held out (fit on the rest, once), its picks under each margin: over every recorded
+    problem (candidates as dispatched, restricted to the timed ones), and on the exhaustive sweeps
+    (every candidate timed: the check of ranking among many untimed configs), there also from
+    `subsets` seeded random thirds of the winners (other starting points, the same sweep)."""
+    import random
+
+    from ckgen import costmodel as cm
+    from ckgen.ops import get_op
+    from ckgen.ops.spec import Config, Target
+    from ckgen.records import by_problem
+
+    def pick(model, op, p, target, winners, ok, timed, m):
+        cands, near = cm.candidate_tiers(op, p, target, winners, ok)
+        kept = [c for c in cands if c in timed]
+        if not kept:
+            return None
+        return timed[model.select(op, p, kept, sum(c in timed for c in cands[:near]), target, m)[0][1]]
+
+    rows: dict[float, list[float]] = {m: [] for m in MARGINS}
+    sweep_rows: list[tuple[str, dict[float, list[float]]]] = []
+    for (op_name, arch, key), rs in by_problem(recs):
+        timed: dict = {}
+        for r in rs:
+            if r.get("ok"):
+                c = Config.of(r["config"])
+                timed[c] = min(timed.get(c, math.inf), float(r["time_us"]))
+        if len(timed) < 2:
+            continue
+        op, target = get_op(op_name), Target.named(arch)
+        p = op.problem_from_key(key)
+        model = cm.fit([r for r in recs if (r["op"], r["problem"]) != (op_name, key)])
+        best, W = min(timed.values()), model.winner_configs(op)
+        valid = lambda c: bool(op.validate(p, c, target))  # noqa: E731
+        usable = lambda c: c in timed and valid(c)  # noqa: E731
+        for m in MARGINS:
+            t = pick(model, op, p, target, W, valid, timed, m) or pick(model, op, p, target, W, usable, timed, m)
+            rows[m].append(t / best)
+        if len(timed) >= 50:
+            got: dict[float, list[float]] = {m: [] for m in MARGINS}
+            starts = [W] + [random.Random(s).sample(W, max(3, len(W) // 3)) for s in range(subsets)]
+            for ws in starts:
+                for m in MARGINS:
+                    got[m].append(pick(model, op, p, target, ws, usable, timed, m) / best)
+            sweep_rows.append((f"{op_name} {p.layout} {key[:28]}", got))
+    print(f"{'margin':>6}  {'all problems: geo worst <=1.15':>31}  " + "  ".join(
+        f"{name[:30]:>30} (all winners; {subsets} thirds: geo worst >1.5 better/worse)" for name, _ in sweep_rows))
+    for m in MARGINS:
+        xs = rows[m]
+        cells = []
+        for _, got in sweep_rows:
+            full, sub = got[m][0], got[m][1:]
+            ref = got[math.inf][1:]
+            better = sum(x * 1.02 < y for x, y in zip(sub, ref))
+            worse = sum(x > y * 1.02 for x, y in zip(sub, ref))
+            cells.append(f"{full:>8.3f}  {geomean(sub):.3f} {max(sub):.3f} {sum(x > 1.5 for x in sub):>2} {better:>2}/{worse:<2}")
+        label = "near" if m == math.inf else f"{m:g}"
+        print(f"{label:>6}  {geomean(xs):>13.3f} {max(xs):>7.2f} {sum(x <= 1.15 + 1e-9 for x in xs):>3}/{len(xs):<3}  "
+              + "  ".join(f"{c:>60}" for c in cells))
+
+
 def main() -> int:
     import argparse
 
@@ -87,7 +152,14 @@ def main() -> int:
     ap.add_argument("--rows", action="store_true", help="with --all: one line per held-out problem too")
     ap.add_argument("--reach", action="store_true",
                     help="with --all: candidates searched among timed configs only (reaches further than dispatch)")
+    ap.add_argument("--margins", action="store_true",
+                    help="the wide tier's margin (costmodel.WIDE_MARGIN): all problems and the sweeps per margin")
     args = ap.parse_args()
+    if args.margins:
+        from ckgen import records
+
+        margins(records.read(records.packaged_records_path()))
+        return 0
     if args.all:
         from ckgen import records
 
@@ -95,11 +167,11 @@ def main() -> int:
         res = all_problems(recs, as_dispatched=not args.reach)
         if args.rows:
             for r in res:
-                print(f"{r.op:<16} {r.problem[:70]:<70} model {r.model:.3f}x cand-best {r.oracle:.3f}x "
+                print(f"{r.op:<16} {r.problem[:70]:<70} model {r.model:.3f}x near-only {r.near_only:.3f}x cand-best {r.oracle:.3f}x "
                       f"nearest {r.nearest:.3f}x default {r.default:.3f}x ({r.candidates}/{r.recorded})")
         print("\nleave-one-problem-out over the records: picked / best timed "
-              "(model: the roofline; oracle: the best timed candidate)")
-        print("\n".join(summarize(res)))
+              "(model: the roofline's two-tier pick; near_only: its pick among the near tier; oracle: the best timed candidate)")
+        print("\n".join(summarize(res, ("model", "near_only", "nearest", "default", "oracle"))))
         return 0
     from ckgen import costmodel as cm
     from ckgen import records

@@ -20,10 +20,15 @@ and ~3 us per output allocation (measured: bench/results/host_overhead-*.json). 
 a call takes max(GPU time, host time), so for tiny problems fewer launches win; candidates are
 ranked by that, then by GPU time.
 
-**Candidates.** Every config that won anywhere (the model file's per-problem best configs from
-the records, and the DB entries of the op) and the space's valid configs one knob step away from
-them, bounded (MAX_CANDIDATES); each is checked with `op.validate` (and the caller's usability
-test: pointer alignment), so the model never picks an invalid config.
+**Candidates, in two tiers.** The near tier: every config that won anywhere (the model file's
+per-problem best configs from the records, and the DB entries of the op) and the space's valid
+configs one knob step away from them (a step further while fewer than MIN_CANDIDATES). The wide
+tier: the configs up to MAX_STEPS knob steps away (MAX_CANDIDATES in all). A wide-tier config is
+taken only when its predicted time per call beats the near tier's best by WIDE_MARGIN: winners
+of other problems often lie 2-3 steps from a problem's best, but among hundreds of untimed
+configs the most optimistic prediction is the likeliest to be wrong (`bench/costmodel_loo.py`).
+Each candidate is checked with `op.validate` (and the caller's usability test: pointer
+alignment), so the model never picks an invalid config.
 
 **Loading.** `load()`: $CKGEN_MODEL (a path; "off" disables the model), else a model fitted by
 the user beside the user DB (`python -m ckgen.costmodel fit`), else the packaged
@@ -49,8 +54,12 @@ FORMAT = "ckgen-costmodel"
 VERSION = 1
 from .settings import ENV_MODEL  # noqa: E402 - one place for every environment setting
 MAX_CANDIDATES = 512
-MIN_CANDIDATES = 24  # fewer usable within one knob step of the winners: look a step further
-MAX_STEPS = 3
+MIN_CANDIDATES = 24  # near tier: fewer usable within one knob step of the winners: look a step further
+MAX_STEPS = 3  # wide tier: up to this many knob steps from the winners
+# A wide-tier candidate must be predicted this much faster than the near tier's best (x 1/(1+M)):
+# chosen on the exhaustive sweeps held out (bench/costmodel_loo.py --margins): 0.1-0.2 never
+# made a sweep's pick worse, 0.05 or none did (NHWC 1.30x -> 1.70x); 0.15 the middle.
+WIDE_MARGIN = 0.15
 WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
 
@@ -319,14 +328,27 @@ class CostModel:
             self._winner_configs[op.name] = related_winners(op, self.winners)
         return self._winner_configs[op.name]
 
+    def select(self, op: OpSpec, p: Problem, cands: Sequence[Config], near: int,
+               target: Target, margin: float = WIDE_MARGIN) -> list[tuple[Prediction, Config]]:
+        """The two-tier ranking of `candidate_tiers`' (cands, near): the wide-tier candidates
+        predicted faster than the near tier's best by WIDE_MARGIN (best first), then the near
+        tier's, best first (`rank`'s order). Only the near tier when no wide one clears the bar."""
+        ranked = self.rank(op, p, cands, target)
+        inner = set(cands[:near])
+        first = [x for x in ranked if x[1] in inner]
+        if not first:
+            return ranked
+        bar = first[0][0].total_us / (1.0 + margin)
+        return [x for x in ranked if x[1] not in inner and x[0].total_us < bar] + first
+
     def choose(self, op: OpSpec, p: Problem, target: Target, usable: Callable[[Config], bool],
                extra_winners: Iterable[Config] = ()) -> tuple[Config, Prediction, int] | None:
-        """The best-ranked candidate that `usable` accepts (it must include op.validate), its
-        prediction, and how many candidates were ranked; None if no candidate is usable."""
-        cands = candidates(op, p, target, [*extra_winners, *self.winner_configs(op)], usable)
+        """The best candidate (`select`) that `usable` accepts (it must include op.validate),
+        its prediction, and how many candidates were ranked; None if no candidate is usable."""
+        cands, near = candidate_tiers(op, p, target, [*extra_winners, *self.winner_configs(op)], usable)
         if not cands:
             return None
-        pred, config = self.rank(op, p, cands, target)[0]
+        pred, config = self.select(op, p, cands, near, target)[0]
         return config, pred, len(cands)
 
 
@@ -346,13 +368,16 @@ def neighbours(op: OpSpec, config: Config) -> list[Config]:
     return out
 
 
-def candidates(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config],
-               usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES) -> list[Config]:
-    """The usable winners (and the space default), then the usable configs one knob step from
-    them; while fewer than MIN_CANDIDATES are usable, a step further (at most MAX_STEPS), at most
-    `limit` in all, in a fixed order. The valid config nearest the default when none is usable."""
+def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config],
+                    usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES) -> tuple[list[Config], int]:
+    """(candidates, near): the usable winners (and the space default), then the usable configs
+    one knob step from them, then a step further and so on (at most MAX_STEPS), at most `limit`
+    in all, in a fixed order. The first `near` are the near tier: up to the first step (from one
+    on) with MIN_CANDIDATES usable; the rest the wide tier. None usable: the valid config nearest
+    the default, alone."""
     seen: set[Config] = set()
     ok: list[Config] = []
+    near = -1
     frontier = list(dict.fromkeys([*winners, op.space.default]))
     for step in range(MAX_STEPS + 1):
         nxt: list[Config] = []
@@ -363,16 +388,26 @@ def candidates(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config]
             if usable(c):
                 ok.append(c)
                 if len(ok) >= limit:
-                    return ok
+                    return ok, (near if near >= 0 else len(ok))
             nxt.append(c)
-        if step > 0 and len(ok) >= MIN_CANDIDATES:
-            break
-        frontier = [n for c in nxt for n in neighbours(op, c) if n not in seen]
+        if near < 0 and step > 0 and len(ok) >= MIN_CANDIDATES:
+            near = len(ok)
+        if step < MAX_STEPS:
+            frontier = [n for c in nxt for n in neighbours(op, c) if n not in seen]
     if not ok:
         d = op.space.nearest_default(usable)
         if d is not None:
             ok.append(d)
-    return ok
+    return ok, (near if near >= 0 else len(ok))
+
+
+def candidates(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config],
+               usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES) -> list[Config]:
+    """The near tier of `candidate_tiers`: the usable winners (and the space default), then the
+    usable configs one knob step from them; while fewer than MIN_CANDIDATES are usable, a step
+    further (at most MAX_STEPS), at most `limit` in all."""
+    ok, near = candidate_tiers(op, p, target, winners, usable, limit)
+    return ok[:near]
 
 
 def related_winners(op: OpSpec, winners: dict[str, list[dict[str, Any]]]) -> list[Config]:
@@ -566,8 +601,8 @@ def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Cal
     model = model if model is not None else load()
     if model is None or count <= 0:
         return []
-    cands = candidates(op, p, target, model.winner_configs(op), lambda c: bool(allowed(c)))
-    return [c for _, c in model.rank(op, p, cands, target)[:count]]
+    cands, near = candidate_tiers(op, p, target, model.winner_configs(op), lambda c: bool(allowed(c)))
+    return [c for _, c in model.select(op, p, cands, near, target)[:count]]
 
 
 # ---------------------------------------------------------------------------------- command line
@@ -614,6 +649,7 @@ class LooResult:
     oracle: float  # the best candidate (what a perfect ranking of the candidates would give)
     nearest: float  # the nearest other recorded problem's winner (today's fallback), if recorded
     default: float  # the space default (or the valid recorded config nearest it)
+    near_only: float = math.nan  # the model's pick among the near tier alone (the rule before the wide tier)
 
 
 def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
@@ -624,9 +660,10 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
     records, let the model pick among the candidates the records time, and compare with the best
     recorded, the candidates' best, the nearest-tuned fallback and the default.
 
-    `as_dispatched`: the candidates are those the dispatcher would rank (`candidates` with every
-    valid config usable) that the records time; else (and when none of those is timed) the
-    search for candidates counts only timed configs as usable, so it reaches further."""
+    `as_dispatched`: the candidates are those the dispatcher would rank (`candidate_tiers` with
+    every valid config usable) that the records time, each tier kept; else (and when none of
+    those is timed) the search for candidates counts only timed configs as usable, so its near
+    tier reaches further. The pick is `select`'s (the two tiers), `near_only` the near tier's."""
     fitter = fitter or fit
     out = []
     for (op_name, arch, key), recs in recmod_by_problem(records):
@@ -643,13 +680,16 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
         model = fitter(rest)
         best = min(timed.values())
         usable = lambda c: c in timed and bool(op.validate(p, c, target))  # noqa: E731
-        cands = []
+        cands: list[Config] = []
+        n_near = 0
         if as_dispatched:
-            cands = [c for c in candidates(op, p, target, model.winner_configs(op),
-                                           lambda c: bool(op.validate(p, c, target))) if c in timed]
+            every, n = candidate_tiers(op, p, target, model.winner_configs(op), lambda c: bool(op.validate(p, c, target)))
+            cands = [c for c in every if c in timed]
+            n_near = sum(c in timed for c in every[:n])
         if not cands:
-            cands = candidates(op, p, target, model.winner_configs(op), usable)
-        pick = model.rank(op, p, cands, target)[0][1]
+            cands, n_near = candidate_tiers(op, p, target, model.winner_configs(op), usable)
+        pick = model.select(op, p, cands, n_near, target)[0][1]
+        near_pick = model.rank(op, p, cands[:n_near], target)[0][1] if n_near else pick
         # today's fallback: the winner of the nearest other recorded problem whose winner is usable here
         wins: dict[str, tuple[float, Config]] = {}
         for r in rest:
@@ -663,7 +703,8 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
         out.append(LooResult(op_name, key, p.layout, len(timed), len(cands), timed[pick] / best,
                              min(timed[c] for c in cands) / best,
                              timed[near_cfg] / best if near_cfg is not None else math.nan,
-                             timed[dflt] / best if dflt is not None else math.nan))
+                             timed[dflt] / best if dflt is not None else math.nan,
+                             timed[near_pick] / best))
     return out
 
 

@@ -352,6 +352,22 @@ class CostModel:
         return config, pred, len(cands)
 
 
+_NEIGHBOURS: dict[tuple[str, int, Config], tuple[Config, ...]] = {}
+
+
+def _neighbours_cached(op: OpSpec, config: Config) -> tuple[Config, ...]:
+    """`neighbours`, remembered: the candidate walk starts from the same winners for every problem
+    of an op, so after the first problem it walks a graph it has seen (keyed by the space object,
+    which a reloaded space replaces)."""
+    key = (op.name, id(op.space), config)
+    out = _NEIGHBOURS.get(key)
+    if out is None:
+        if len(_NEIGHBOURS) > 200_000:
+            _NEIGHBOURS.clear()
+        out = _NEIGHBOURS[key] = tuple(neighbours(op, config))
+    return out
+
+
 def neighbours(op: OpSpec, config: Config) -> list[Config]:
     """Configs one knob step away (the previous or next value of one knob in the space)."""
     params = op.space.params
@@ -393,7 +409,7 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
         if near < 0 and step > 0 and len(ok) >= MIN_CANDIDATES:
             near = len(ok)
         if step < MAX_STEPS:
-            frontier = [n for c in nxt for n in neighbours(op, c) if n not in seen]
+            frontier = [n for c in nxt for n in _neighbours_cached(op, c) if n not in seen]
     if not ok:
         d = op.space.nearest_default(usable)
         if d is not None:

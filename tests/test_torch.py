@@ -720,7 +720,7 @@ def test_not_served_names_the_dispatchers_reason(monkeypatch):
 
     monkeypatch.setattr(target_mod, "device_info",
                         lambda i=None: target_mod.DeviceInfo(Target.named("sm_90"), "fake H100", 132, 50 << 20))
-    O._served.clear()
+    O.forget_served()
     ok = torch.empty(2, 64, 8, 8, dtype=torch.bfloat16).contiguous(memory_format=CL)
     assert O._not_served("groupnorm_fwd", ok, G=8, activation="none") is None
     wide = torch.empty(1, 8192, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=CL)
@@ -732,9 +732,9 @@ def test_not_served_names_the_dispatchers_reason(monkeypatch):
     assert O._not_served("maxpool2d_fwd", ok, return_indices=False,
                          **O._pool_fields([2, 2], [2, 2], [2, 2], [1, 1], False)) is None
     monkeypatch.setattr(target_mod, "device_info", lambda i=None: (_ for _ in ()).throw(target_mod.NoGPUError("no")))
-    O._served.clear()
+    O.forget_served()
     assert "ckgen cannot use this GPU" in O._not_served("groupnorm_fwd", ok, G=8, activation="none")
-    O._served.clear()
+    O.forget_served()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -853,3 +853,45 @@ def test_compile_still_traces_the_custom_ops_when_the_eager_path_is_on(eager_cpu
     assert any("ckgen.groupnorm_fwd" in t for t in seen), seen
     assert any("ckgen.maxpool2d_fwd" in t for t in seen) and any("ckgen.avgpool2d_fwd" in t for t in seen), seen
     torch.testing.assert_close(out, m(x), atol=1e-5, rtol=1e-5)
+
+
+def test_not_served_answers_a_repeated_signature_from_its_cache(monkeypatch):
+    """The per-signature cache: a repeated call does no problem work; another layout of the same
+    shape, or another option, is its own signature with its own answer."""
+    from ckgen import target as target_mod
+    from ckgen.ops.spec import Target
+
+    monkeypatch.setattr(target_mod, "device_info",
+                        lambda i=None: target_mod.DeviceInfo(Target.named("sm_90"), "fake H100", 132, 50 << 20))
+    O.forget_served()
+    calls = []
+    real = O._not_served_problem
+    monkeypatch.setattr(O, "_not_served_problem", lambda *a: calls.append(a[0]) or real(*a))
+    wide = torch.empty(1, 8192, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    for _ in range(3):
+        assert "no config of the tuning space can run" in O._not_served("groupnorm_fwd", wide, G=1, activation="swish")
+    assert calls == ["groupnorm_fwd"]
+    assert O._not_served("groupnorm_fwd", wide.contiguous(), G=1, activation="swish") is None  # NCHW: served
+    assert O._not_served("groupnorm_fwd", wide, G=8192, activation="swish") is None  # C/G = 1: served
+    assert len(calls) == 3
+    O.forget_served()
+
+
+def test_pool_prelude_cache_keeps_the_answers_of_the_checks():
+    """functional's pooling checks, cached per signature, give what the checks give: for int and
+    tuple arguments (cached), list arguments (checked every call), a CPU tensor with and without
+    the CPU test route, and arguments PyTorch rejects."""
+    x = torch.empty(2, 8, 9, 9).contiguous(memory_format=CL)
+    route = CF._ROUTE_CPU
+    try:
+        CF._ROUTE_CPU = True
+        for _ in range(2):
+            assert CF._pool_prelude("max", x, 3, None, 1, 1, False) == (None, (3, 3), (3, 3), (1, 1), (1, 1))
+            assert CF._pool_prelude("max", x, [3, 2], (2, 1), [1, 0], 1, True) == \
+                (None, (3, 2), (2, 1), (1, 0), (1, 1))
+            assert "PyTorch rejects" in CF._pool_prelude("max", x, 2, 2, 2, 1, False)[0]
+            assert CF._pool_prelude("avg", x, 2, 2, 0, 1, False)[0] is None
+        CF._ROUTE_CPU = False
+        assert "CPU tensor" in CF._pool_prelude("avg", x, 2, 2, 0, 1, False)[0]
+    finally:
+        CF._ROUTE_CPU = route

@@ -137,6 +137,39 @@ def _pool_args_why_not(x: Tensor, k, s, p, d, ceil_mode: bool) -> Optional[str]:
     return None
 
 
+_POOL_SIG: dict = {}
+
+
+def _pool_prelude(kind: str, x: Tensor, kernel_size, stride, padding, dilation, ceil_mode):
+    """(why not, kernel, stride, padding, dilation as int pairs) of a pooling call: why is None
+    when ckgen's ops take it. Eager calls with hashable arguments (ints, tuples) are answered from
+    a cache keyed by x's shape, strides, dtype and device and the arguments as given: a repeated
+    call (every training step) skips the checks. Under torch.compile the checks are traced as
+    they are (Dynamo guards on what they read)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (kind, x.shape, x.stride(), x.dtype, x.device, kernel_size, stride, padding, dilation, ceil_mode,
+                   _ROUTE_CPU)
+            hit = _POOL_SIG.get(key)
+        except TypeError:  # a list argument: checked every call
+            key = hit = None
+        if hit is not None:
+            return hit
+    why = _tensor_why_not(x)
+    k = _int_pair(kernel_size, "kernel_size")
+    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _int_pair(stride, "stride")
+    p, d = _int_pair(padding, "padding"), _int_pair(dilation, "dilation")
+    if why is None:
+        why = _pool_args_why_not(x, k, s, p, d, bool(ceil_mode))
+    out = (why, k, s, p, d)
+    if key is not None:
+        if len(_POOL_SIG) > 4096:
+            _POOL_SIG.clear()
+        _POOL_SIG[key] = out
+    return out
+
+
 def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
                return_indices: bool = False, indices: str = "stored"):
     """F.max_pool2d with ckgen. `indices` picks what the backward uses when x needs a gradient:
@@ -146,12 +179,7 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
     gradient (inference, torch.no_grad) no indices are written unless asked for."""
     if indices not in ("stored", "recompute"):
         raise ValueError(f"indices: expected 'stored' or 'recompute', got {indices!r}")
-    why = _tensor_why_not(x)
-    k = _int_pair(kernel_size, "kernel_size")
-    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _int_pair(stride, "stride")
-    p, d = _int_pair(padding, "padding"), _int_pair(dilation, "dilation")
-    if why is None:
-        why = _pool_args_why_not(x, k, s, p, d, bool(ceil_mode))
+    why, k, s, p, d = _pool_prelude("max", x, kernel_size, stride, padding, dilation, ceil_mode)
     if why is not None:
         _fallback("max_pool2d", why)
         return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
@@ -171,12 +199,7 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
                count_include_pad: bool = True, divisor_override: Optional[int] = None) -> Tensor:
     """F.avg_pool2d with ckgen (the backward saves nothing)."""
-    why = _tensor_why_not(x)
-    k = _int_pair(kernel_size, "kernel_size")
-    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _int_pair(stride, "stride")
-    p = _int_pair(padding, "padding")
-    if why is None:
-        why = _pool_args_why_not(x, k, s, p, (1, 1), bool(ceil_mode))
+    why, k, s, p, _ = _pool_prelude("avg", x, kernel_size, stride, padding, 1, ceil_mode)
     if why is None and divisor_override is not None and (not isinstance(divisor_override, int)
                                                          or isinstance(divisor_override, bool) or divisor_override < 1):
         why = f"divisor_override={divisor_override!r} (PyTorch rejects it)"

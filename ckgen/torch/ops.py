@@ -208,11 +208,38 @@ def _pool_out_shape(x: Tensor, kernel_size, stride, padding, dilation, ceil_mode
 # Does ckgen serve this problem on this GPU? (cached; a "no" names the reason)
 # ---------------------------------------------------------------------------------------------
 _served: dict[tuple, Optional[str]] = {}
+_served_sig: dict[tuple, Optional[str]] = {}  # the same, per call signature (see _not_served)
+
+
+def forget_served() -> None:
+    """Drop every cached answer of `_not_served` (tests that change what a GPU serves)."""
+    _served.clear()
+    _served_sig.clear()
 
 
 def _not_served(op_name: str, x: Tensor, **fields) -> Optional[str]:
     """None when ckgen runs `op_name` for this problem on x's GPU; else why not. Argument errors
-    are left to the ckgen call itself (it raises them with the argument's name)."""
+    are left to the ckgen call itself (it raises them with the argument's name).
+
+    Cached per call signature first (x's shape, strides, dtype and device, and the fields as
+    given: one tuple and one dict lookup, no layout or problem work on a repeated call), then per
+    problem."""
+    try:
+        sig = (op_name, x.dtype, x.shape, x.stride(), x.device.index, *fields.items())
+        hit = _served_sig.get(sig, False)
+    except TypeError:  # an unhashable field (a list): the problem-keyed path only
+        sig, hit = None, False
+    if hit is not False:
+        return hit
+    why = _not_served_problem(op_name, x, fields)
+    if sig is not None:
+        if len(_served_sig) > 4096:
+            _served_sig.clear()
+        _served_sig[sig] = why
+    return why
+
+
+def _not_served_problem(op_name: str, x: Tensor, fields: dict) -> Optional[str]:
     dt = _DTYPES.get(x.dtype)
     if dt is None or x.dim() != 4 or x.numel() == 0:
         return None  # ckgen raises the argument error

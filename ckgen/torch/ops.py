@@ -276,7 +276,26 @@ def _not_served_problem(op_name: str, x: Tensor, fields: dict) -> Optional[str]:
     return why
 
 
+_POOL_FIELDS: dict[tuple, dict] = {}
+
+
 def _pool_fields(kernel_size, stride, padding, dilation=None, ceil_mode=False) -> dict:
+    """The pooling fields of a problem key (cached for tuple arguments, as the eager path passes)."""
+    try:
+        return _POOL_FIELDS[(kernel_size, stride, padding, dilation, ceil_mode)]
+    except (KeyError, TypeError):
+        pass
+    f = _pool_fields_of(kernel_size, stride, padding, dilation, ceil_mode)
+    try:
+        if len(_POOL_FIELDS) > 1024:
+            _POOL_FIELDS.clear()
+        _POOL_FIELDS[(kernel_size, stride, padding, dilation, ceil_mode)] = f
+    except TypeError:  # list arguments (the custom ops' int[])
+        pass
+    return f
+
+
+def _pool_fields_of(kernel_size, stride, padding, dilation=None, ceil_mode=False) -> dict:
     f = dict(kernel=_pair(kernel_size, "kernel_size"), stride=_pair(stride, "stride"),
              padding=_pair(padding, "padding"), ceil_mode=bool(ceil_mode))
     if dilation is not None:

@@ -536,8 +536,10 @@ def cmd_db_where(args: argparse.Namespace) -> int:
     studies = settings.cache_dir() / "studies.sqlite3"
     places.add("optuna studies", f"sqlite:///{studies}", "the cache dir (tune/retune --storage: another)",
                "exists" if studies.is_file() else "not created yet")
-    kernels = settings.cache_dir() / "kernels"
-    places.add("compiled kernels", str(kernels), "the cache dir", "exists" if kernels.is_dir() else "not created yet")
+    kernels = settings.kernel_cache_dir()
+    places.add("compiled kernels", str(kernels),
+               f"${settings.ENV_KERNEL_CACHE}" if os.environ.get(settings.ENV_KERNEL_CACHE) else "the cache dir",
+               "exists" if kernels.is_dir() else "not created yet")
     from . import costmodel, records
 
     model = costmodel.model_path()

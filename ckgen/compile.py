@@ -5,7 +5,7 @@
 - `compile_many`: the same for many sources, in parallel processes (compile is the slow part
   of tuning), deduplicated by source hash, each result stored in the on-disk cubin cache.
 - `load_kernel`: a CuPy kernel for the current device: memory cache, then the disk cache
-  (`<cache>/kernels/<arch>/<name>-<sha12>.cubin`), then NVRTC."""
+  (`<cache>/kernels/<arch>/<name>-<sha12>.cubin`, or `$CKGEN_KERNEL_CACHE/<arch>/...`), then NVRTC."""
 from __future__ import annotations
 
 import atexit
@@ -60,7 +60,7 @@ def compile_offline(src: KernelSource, target: Target) -> Binary:
 
 
 def cubin_path(src: KernelSource, arch: str) -> Path:
-    return settings.cache_dir() / "kernels" / arch / f"{src.name}-{src.sha256[:12]}.cubin"
+    return settings.kernel_cache_dir() / arch / f"{src.name}-{src.sha256[:12]}.cubin"
 
 
 def _store(path: Path, data: bytes) -> None:

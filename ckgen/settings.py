@@ -8,6 +8,7 @@ import platformdirs
 
 ENV_DB = "CKGEN_DB"  # path of the user instance DB
 ENV_CACHE = "CKGEN_CACHE_DIR"  # folder for the user DB and optuna studies
+ENV_KERNEL_CACHE = "CKGEN_KERNEL_CACHE"  # folder for compiled kernels (default: <cache dir>/kernels)
 ENV_QUIET = "CKGEN_QUIET"  # "1": no fallback notices (the dispatcher's, and ckgen.torch's fallbacks to PyTorch)
 ENV_ROCM = "CKGEN_ROCM_PATH"  # a ROCm root (include/hip, device bitcode) for offline HIP builds
 ENV_SHIPPED = "CKGEN_SHIPPED_DB"  # another file in place of the packaged DB (a missing file: none)
@@ -20,6 +21,12 @@ TUNE_TRIALS = 12
 
 def cache_dir() -> Path:
     return Path(os.environ.get(ENV_CACHE) or platformdirs.user_cache_dir("ckgen"))
+
+
+def kernel_cache_dir() -> Path:
+    """Compiled kernels (cubins / HIP code objects), named by instance and source sha256, so one
+    folder can serve any number of DBs and processes."""
+    return Path(os.environ.get(ENV_KERNEL_CACHE) or cache_dir() / "kernels")
 
 
 def user_db_path() -> Path:

@@ -285,6 +285,13 @@ def test_db_where_says_which_entries_come_from_which(run, tmp_path: Path, monkey
     assert places["user DB"]["state"] == "2 entries"
     assert places["shipped DB"]["path"] == str(shipped) and places["shipped DB"]["set_by"] == "$CKGEN_SHIPPED_DB"
     assert places["cache dir"]["path"] == os.environ["CKGEN_CACHE_DIR"]
+    # the tests share one compiled-kernel folder (conftest); without the variable: <cache dir>/kernels
+    assert places["compiled kernels"]["path"] == os.environ["CKGEN_KERNEL_CACHE"]
+    assert places["compiled kernels"]["set_by"] == "$CKGEN_KERNEL_CACHE"
+    monkeypatch.delenv("CKGEN_KERNEL_CACHE")
+    places = {p["what"]: p for p in json.loads(run("db", "where", "--db", str(user), "--format", "json")[1])["places"]}
+    assert places["compiled kernels"]["path"] == str(Path(os.environ["CKGEN_CACHE_DIR"]) / "kernels")
+    assert places["compiled kernels"]["set_by"] == "the cache dir"
     assert Path(places["templates"]["path"]).name == "templates"
     counts = {(c["op"], c["arch"]): (c["user"], c["shipped"], c["shipped_overridden"]) for c in doc["entries"]}
     assert counts == {("groupnorm_fwd", "sm_90"): (1, 1, 1), ("avgpool2d_bwd", "sm_90"): (1, 1, 0)}

@@ -7,19 +7,11 @@ def pytest_configure(config):
     """One compiled-kernel folder for the whole run (CKGEN_KERNEL_CACHE, unless set already): every
     test gets its own cache dir and DB (`_isolated_db`), but cubins are named by their source's
     sha256, so sharing them is safe, and a kernel that a module's prewarm or an earlier test
-    compiled is not compiled again in every test.
-
-    Under compute-sanitizer (tools/sanitize.sh sets CKGEN_SANITIZE=1) every buffer is its own
-    cudaMalloc: CuPy's pool would hide an out-of-bounds access that lands inside pooled memory."""
+    compiled is not compiled again in every test."""
     if not os.environ.get("CKGEN_KERNEL_CACHE"):
         import tempfile
 
         os.environ["CKGEN_KERNEL_CACHE"] = config._ckgen_kernels = tempfile.mkdtemp(prefix="ckgen-test-kernels-")
-    if os.environ.get("CKGEN_SANITIZE"):
-        import cupy
-
-        cupy.cuda.set_allocator(None)
-        cupy.cuda.set_pinned_memory_allocator(None)
 
 
 def pytest_unconfigure(config):

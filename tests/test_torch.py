@@ -720,7 +720,7 @@ def test_not_served_names_the_dispatchers_reason(monkeypatch):
 
     monkeypatch.setattr(target_mod, "device_info",
                         lambda i=None: target_mod.DeviceInfo(Target.named("sm_90"), "fake H100", 132, 50 << 20))
-    O.forget_served()
+    O._served.clear()
     ok = torch.empty(2, 64, 8, 8, dtype=torch.bfloat16).contiguous(memory_format=CL)
     assert O._not_served("groupnorm_fwd", ok, G=8, activation="none") is None
     wide = torch.empty(1, 8192, 4, 4, dtype=torch.bfloat16).contiguous(memory_format=CL)
@@ -732,9 +732,9 @@ def test_not_served_names_the_dispatchers_reason(monkeypatch):
     assert O._not_served("maxpool2d_fwd", ok, return_indices=False,
                          **O._pool_fields([2, 2], [2, 2], [2, 2], [1, 1], False)) is None
     monkeypatch.setattr(target_mod, "device_info", lambda i=None: (_ for _ in ()).throw(target_mod.NoGPUError("no")))
-    O.forget_served()
+    O._served.clear()
     assert "ckgen cannot use this GPU" in O._not_served("groupnorm_fwd", ok, G=8, activation="none")
-    O.forget_served()
+    O._served.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -863,7 +863,7 @@ def test_not_served_answers_a_repeated_signature_from_its_cache(monkeypatch):
 
     monkeypatch.setattr(target_mod, "device_info",
                         lambda i=None: target_mod.DeviceInfo(Target.named("sm_90"), "fake H100", 132, 50 << 20))
-    O.forget_served()
+    O._served.clear()
     calls = []
     real = O._not_served_problem
     monkeypatch.setattr(O, "_not_served_problem", lambda *a: calls.append(a[0]) or real(*a))
@@ -874,7 +874,7 @@ def test_not_served_answers_a_repeated_signature_from_its_cache(monkeypatch):
     assert O._not_served("groupnorm_fwd", wide.contiguous(), G=1, activation="swish") is None  # NCHW: served
     assert O._not_served("groupnorm_fwd", wide, G=8192, activation="swish") is None  # C/G = 1: served
     assert len(calls) == 3
-    O.forget_served()
+    O._served.clear()
 
 
 def test_pool_prelude_cache_keeps_the_answers_of_the_checks():

@@ -5,10 +5,10 @@
 # so a tool cut by its time limit has still covered every family. Instances are compiled first,
 # outside the sanitizer (--prepare). One log per tool under $OUT (default bench/results/logs);
 # the summary says how many checks ran under the tool, how many failed, and how many sanitizer
-# errors it reported. CKGEN_SANITIZE=1 turns CuPy's memory pool off (in sanitize_ops.py, and in
-# tests/conftest.py for pytest under a sanitizer), so memcheck sees every buffer's real bounds. Needs a GPU and compute-sanitizer: on PATH, or from PyPI's
-# nvidia-cuda-sanitizer-api wheel installed into $SITE (default /tmp/site; its 13.0 wheel lacks
-# the TreeLauncher helpers: use the 13.5 wheel, which carries compute-sanitizer/ whole).
+# errors it reported. CKGEN_SANITIZE=1 turns CuPy's memory pool off in sanitize_ops.py, so
+# memcheck sees every buffer's real bounds. Needs a GPU and compute-sanitizer: on PATH, or PyPI's
+# nvidia-cuda-sanitizer-api wheel installed into $SITE (default /tmp/site; tested with 13.5.25, which
+# carries compute-sanitizer/ whole).
 # Usage: tools/sanitize.sh [SECONDS_PER_TOOL] [CONFIGS_PER_FAMILY]
 set -uo pipefail
 per=${1:-120}

@@ -184,12 +184,11 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
         _fallback("max_pool2d", why)
         return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                             return_indices=return_indices)
-    if not return_indices and eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py)
-        # int pairs as tuples: hashable, so ops' per-signature caches answer the repeated call
-        if _needs_grad(x):
-            return eager.MaxPoolFn.apply(x, k, s, p, d, bool(ceil_mode), indices == "stored")
-        return ops.cuda_maxpool2d_fwd(x, k, s, p, d, bool(ceil_mode))
     args = (x, list(k), list(s), list(p), list(d), bool(ceil_mode))
+    if not return_indices and eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py)
+        if _needs_grad(x):
+            return eager.MaxPoolFn.apply(*args, indices == "stored")
+        return ops.cuda_maxpool2d_fwd(*args)
     if return_indices:
         return torch.ops.ckgen.maxpool2d_fwd_with_indices(*args)
     if indices == "stored" and _needs_grad(x):
@@ -207,11 +206,10 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool =
     if why is not None:
         _fallback("avg_pool2d", why)
         return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    if eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py); tuples as above
-        args = (x, k, s, p, bool(ceil_mode), bool(count_include_pad), divisor_override)
+    args = (x, list(k), list(s), list(p), bool(ceil_mode), bool(count_include_pad), divisor_override)
+    if eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py)
         return eager.AvgPoolFn.apply(*args) if _needs_grad(x) else ops.cuda_avgpool2d_fwd(*args)
-    return torch.ops.ckgen.avgpool2d_fwd(x, list(k), list(s), list(p), bool(ceil_mode), bool(count_include_pad),
-                                         divisor_override)
+    return torch.ops.ckgen.avgpool2d_fwd(*args)
 
 
 __all__ = ["avg_pool2d", "group_norm", "group_norm_why_not", "max_pool2d"]

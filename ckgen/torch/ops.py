@@ -98,11 +98,6 @@ class _Op:
         torch.library.register_autograd(self._name, backward, setup_context=setup_context, lib=_LIB)
 
 
-def _op(qualname: str):
-    """Decorator: define `qualname` with the decorated function as its CUDA kernel."""
-    return lambda fn: _Op(qualname, fn)
-
-
 # ---------------------------------------------------------------------------------------------
 # Fallback notices: once per (op, reason), counted
 # ---------------------------------------------------------------------------------------------
@@ -208,34 +203,20 @@ def _pool_out_shape(x: Tensor, kernel_size, stride, padding, dilation, ceil_mode
 # Does ckgen serve this problem on this GPU? (cached; a "no" names the reason)
 # ---------------------------------------------------------------------------------------------
 _served: dict[tuple, Optional[str]] = {}
-_served_sig: dict[tuple, Optional[str]] = {}  # the same, per call signature (see _not_served)
-
-
-def forget_served() -> None:
-    """Drop every cached answer of `_not_served` (tests that change what a GPU serves)."""
-    _served.clear()
-    _served_sig.clear()
 
 
 def _not_served(op_name: str, x: Tensor, **fields) -> Optional[str]:
     """None when ckgen runs `op_name` for this problem on x's GPU; else why not. Argument errors
-    are left to the ckgen call itself (it raises them with the argument's name).
-
-    Cached per call signature first (x's shape, strides, dtype and device, and the fields as
-    given: one tuple and one dict lookup, no layout or problem work on a repeated call), then per
-    problem."""
-    try:
-        sig = (op_name, x.dtype, x.shape, x.stride(), x.device.index, *fields.items())
-        hit = _served_sig.get(sig, False)
-    except TypeError:  # an unhashable field (a list): the problem-keyed path only
-        sig, hit = None, False
+    are left to the ckgen call itself (it raises them with the argument's name). Cached per call
+    signature (x's dtype, shape, strides and device, and the fields as given), so a repeated call
+    costs one tuple and one dict lookup."""
+    sig = (op_name, x.dtype, x.shape, x.stride(), x.device.index, *fields.items())
+    hit = _served.get(sig, False)
     if hit is not False:
         return hit
-    why = _not_served_problem(op_name, x, fields)
-    if sig is not None:
-        if len(_served_sig) > 4096:
-            _served_sig.clear()
-        _served_sig[sig] = why
+    if len(_served) > 4096:
+        _served.clear()
+    why = _served[sig] = _not_served_problem(op_name, x, fields)
     return why
 
 
@@ -248,54 +229,27 @@ def _not_served_problem(op_name: str, x: Tensor, fields: dict) -> Optional[str]:
     except ValueError:
         return None
     fields = dict(N=x.shape[0], C=x.shape[1], H=x.shape[2], W=x.shape[3], dtype=dt, layout=layout, **fields)
-    key = (op_name, x.device.index, tuple(sorted(fields.items())))
-    hit = _served.get(key, False)
-    if hit is not False:
-        return hit
-    why: Optional[str] = None
     try:
         from ..target import device_info
 
         arch = device_info(x.device.index or 0).target.arch
     except Exception as e:  # CuPy missing or unusable
-        why = f"ckgen cannot use this GPU ({e.__class__.__name__}: {e})"
-    if why is None:
-        import ckgen
-        from ..ops import get_op
+        return f"ckgen cannot use this GPU ({e.__class__.__name__}: {e})"
+    import ckgen
+    from ..ops import get_op
 
-        try:
-            get_op(op_name).parse_problem(**fields)
-        except (ValueError, TypeError):
-            why = None  # an argument error: the ckgen call raises it
-        else:
-            try:
-                ckgen.explain(op_name, arch=arch, **fields)
-            except ValueError as e:
-                why = str(e)
-    _served[key] = why
-    return why
-
-
-_POOL_FIELDS: dict[tuple, dict] = {}
+    try:
+        get_op(op_name).parse_problem(**fields)
+    except (ValueError, TypeError):
+        return None  # an argument error: the ckgen call raises it
+    try:
+        ckgen.explain(op_name, arch=arch, **fields)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _pool_fields(kernel_size, stride, padding, dilation=None, ceil_mode=False) -> dict:
-    """The pooling fields of a problem key (cached for tuple arguments, as the eager path passes)."""
-    try:
-        return _POOL_FIELDS[(kernel_size, stride, padding, dilation, ceil_mode)]
-    except (KeyError, TypeError):
-        pass
-    f = _pool_fields_of(kernel_size, stride, padding, dilation, ceil_mode)
-    try:
-        if len(_POOL_FIELDS) > 1024:
-            _POOL_FIELDS.clear()
-        _POOL_FIELDS[(kernel_size, stride, padding, dilation, ceil_mode)] = f
-    except TypeError:  # list arguments (the custom ops' int[])
-        pass
-    return f
-
-
-def _pool_fields_of(kernel_size, stride, padding, dilation=None, ceil_mode=False) -> dict:
     f = dict(kernel=_pair(kernel_size, "kernel_size"), stride=_pair(stride, "stride"),
              padding=_pair(padding, "padding"), ceil_mode=bool(ceil_mode))
     if dilation is not None:

@@ -508,6 +508,12 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
     gid = np.array([group_of.setdefault((r["op"], r["arch"], r["problem"]), len(group_of)) for r, *_ in rows])
     counts = np.bincount(gid)
     wrow = 1.0 / np.sqrt(counts[gid])  # each problem weighs sqrt(its records): sweeps do not drown the rest
+    # and each op weighs the same in all: GroupNorm forward holds most records (its broad grid and
+    # sweeps); unbalanced, it set the shared weights for every op, and the held-out pooling
+    # picks got up to 2x worse (bench/results/heldout/runs/README.md)
+    op_idx = np.unique(np.array([op.name for _, op, *_ in rows]), return_inverse=True)[1]
+    op_sum = np.bincount(op_idx, weights=wrow)
+    wrow = wrow * (len(wrow) / (len(op_sum) * op_sum[op_idx]))
     multi = counts[gid] > 1
     best: tuple[float, CostModel] | None = None
     for floor in FLOOR_GRID:

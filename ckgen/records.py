@@ -13,9 +13,9 @@ A record is one JSON object per line (JSON Lines):
 `ckgen tune` appends a record per measured trial and per final-round re-timing to the records
 file beside the user DB (`user_records_path`), under a file lock, so concurrent tuners lose no
 line. The package ships `ckgen/data/records.jsonl.gz`, built by `tools/build_records.py` from
-what the repo holds: the exhaustive sweeps (bench/results/sweeps), the shipped DB's winners and
-default timings, and the suite benchmarks (bench/results/*.json), never the held-out problems
-(bench/heldout.yaml).
+what the repo holds: the exhaustive sweeps (bench/results/sweeps), every trial of the DB tuning
+runs (bench/results/tuning), the shipped DB's winners and default timings, and the suite
+benchmarks (bench/results/*.json), never the held-out problems (bench/heldout.yaml).
 
 Reading is tolerant: a malformed line is skipped, with one warning per file. Nothing here
 imports CuPy."""
@@ -214,6 +214,8 @@ def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
         for cfg, why in sw.failed.items():
             out.append(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=False, reason=why,
                                    phase="sweep", source=src, date="2025-01-01T00:00:00+00:00"))
+    for path in sorted((repo / "bench" / "results" / "tuning").glob("*.records.jsonl*")):
+        out += read(path)  # every trial of the repo's DB tuning runs (bench/tune_db.sh), as measured
     shipped = dbmod.InstanceDB.load(repo / "ckgen" / "data" / "instances.yaml")
     for e in shipped.entries:
         op, target = get_op(e.op), Target.named(e.arch)

@@ -500,7 +500,9 @@ def test_compiled_converted_model_trains_like_eager(dtype, layout, mode):
         torch.compiler.cudagraph_mark_step_begin()
         got = compiled(x).clone()
         want = comp(x)
-    _close(got, want, get_op("groupnorm_fwd").tolerance(dtype, "y"), "inference")
+    # a whole network's output (TF32 convolutions, inductor's own fused elementwise code), so the
+    # model-level tolerance above, not one op's
+    torch.testing.assert_close(got, want, atol=lt, rtol=lt, msg=lambda m: f"inference: {m}")
 
 
 def test_compiled_graph_holds_the_ckgen_ops():

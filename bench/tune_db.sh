@@ -12,8 +12,9 @@
 # use, CKGEN_DB): the cost model's training data (tools/build_records.py reads the copies kept
 # under bench/results/tuning/).
 # Afterwards, on any machine: `ckgen db merge ckgen/data/instances.yaml $STATE/tuned.yaml -o
-# ckgen/data/instances.yaml` (per problem and arch, the faster verified entry), then
-# `python tools/build_records.py` to refit the cost model on the new trials.
+# ckgen/data/instances.yaml` (per problem and arch, the faster verified entry), keep the records
+# gzipped under bench/results/tuning/ (`records.write_gz`), then `python tools/build_records.py`
+# to refit the cost model on the new trials and `ckgen generate` for generated/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 budget=${1:?usage: STATE=DIR bench/tune_db.sh SECONDS [TRIALS]}

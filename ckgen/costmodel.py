@@ -4,9 +4,9 @@ the tuner takes its first seeds from.
 **Why an analytical model with fitted terms, not a learner.** The training records
 (ckgen/records.py) are thin: two exhaustive sweeps (GroupNorm forward, bf16, one NCHW and one
 NHWC shape: 3,196 timings), 20-trial tuning runs of 139 grid problems (most of them GroupNorm
-forward), and about two timings per problem (winner and default) for the rest. A gradient-boosted or ranking model fit on that learns the two swept
-problems and has nothing to generalise with across shapes (`bench/costmodel_loo.py` measures
-it). So the model's *form* is physics: time = launches x a per-launch floor + the bytes the op
+forward), and about two timings per problem (winner and default) for the rest. A
+gradient-boosted or ranking model fit on that learns the two swept problems and has little to
+generalise with across shapes (`bench/costmodel_loo.py` measures it). So the model's *form* is physics: time = launches x a per-launch floor + the bytes the op
 must move / bandwidth, scaled by exp(w . phi), where phi are deficits that make a memory-bound
 kernel slower than its roofline (bytes in flight below what the GPU needs to hide latency,
 SMs left idle, the last wave's tail, narrow vectors, re-reads, splits, ...). Only the weights

@@ -6,8 +6,9 @@ the tuner takes its first seeds from.
 NHWC shape: 3,196 timings), 20-trial tuning runs of 139 grid problems (most of them GroupNorm
 forward), and about two timings per problem (winner and default) for the rest. A
 gradient-boosted or ranking model fit on that learns the two swept problems and has little to
-generalise with across shapes (`bench/costmodel_loo.py` measures it). So the model's *form* is physics: time = launches x a per-launch floor + the bytes the op
-must move / bandwidth, scaled by exp(w . phi), where phi are deficits that make a memory-bound
+generalise with across shapes (`bench/costmodel_loo.py` measures it). So the model's *form*
+is physics: time = launches x a per-launch floor + the bytes the op must move / bandwidth,
+scaled by exp(w . phi), where phi are deficits that make a memory-bound
 kernel slower than its roofline (bytes in flight below what the GPU needs to hide latency,
 SMs left idle, the last wave's tail, narrow vectors, re-reads, splits, ...). Only the weights
 w (ridge regression pulled toward physical priors, so a term the data says nothing about stays

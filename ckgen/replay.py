@@ -213,6 +213,9 @@ class ReplayBackend:
     def model_seeds(self, op: OpSpec, problem: Problem, trials: int) -> tuple[Config, ...]:
         return ()
 
+    def model(self) -> None:
+        return None  # no prior mean: a replay's sampler sees the recorded times only
+
     def copy(self, op: OpSpec, problem: Problem) -> Timing:
         return Timing(1.0, 1.0, 1.0, 1)
 

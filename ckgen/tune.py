@@ -467,13 +467,8 @@ def _heuristic_seeds(op: OpSpec, seeds: list[Config], count: int, trials: int) -
     they fit in half the budget: times jump between families, so a family no seed stands for is
     one the model rarely proposes (on the NCHW sweep the best config is the only good one of its
     family, 16% ahead of the next). In `seeds`' order."""
-    heads: dict[Any, Config] = {}
-    for c in seeds:
-        heads.setdefault(op.seed_family(c), c)
-    room = max(count, min(len(heads), trials // 2))
-    keep = set(list(heads.values())[:room])
-    first = [c for c in seeds if c in keep]
-    return (first + [c for c in seeds if c not in keep])[:room] if len(first) < room else first
+    families = len({op.seed_family(c) for c in seeds})
+    return op.families_first(seeds, max(count, min(families, trials // 2)))
 
 
 def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,

@@ -364,7 +364,7 @@ class _Worker:
                     restrict=self.backend.restrict(self.op, p.problem), device=self.info.name,
                     model_seeds=self.backend.model_seeds(self.op, p.problem, self.spec.trials),
                     record=self.backend.recorder(self.op, p.problem), run=hook,
-                    model=getattr(self.backend, "model", lambda: None)())
+                    model=self.backend.model())
 
     def _claim(self, p: _Problem) -> bool:
         with self._lock(p.name):

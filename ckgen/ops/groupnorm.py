@@ -204,16 +204,7 @@ class GroupNormFwd(GroupNormOp):
                     + 0.5 * (c["threads"] * c["min_blocks"] >= 1024))
 
         valid = sorted((c for c in self.space.enumerate() if self.validate(p, c, target)), key=score, reverse=True)
-        # Diverse seeds: the best of each (slice_in, cluster) family first, then the next best.
-        picked: list[Config] = []
-        seen: set[tuple[str, int, str]] = set()
-        for c in valid:
-            fam = self.seed_family(c)
-            if fam not in seen:
-                seen.add(fam)
-                picked.append(c)
-        picked += [c for c in valid if c not in picked]
-        return picked[:count]
+        return self.families_first(valid, count)  # diverse: the best of each family first
 
     def seed_family(self, config: Config) -> tuple[str, int, str]:
         """x held in registers or reloaded, the cluster size, the merge (cluster or global)."""

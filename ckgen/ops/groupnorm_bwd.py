@@ -105,15 +105,7 @@ class _GroupNormBwd(GroupNormOp):
             return 2.0 * c["vec_bytes"] / 16 + 2.0 * fill + 0.5 * once + (8 << 10 <= step <= 64 << 10)
 
         valid = sorted((c for c in self.space.enumerate() if self.validate(p, c, target)), key=score, reverse=True)
-        picked: list[Config] = []
-        seen: set[tuple[str, bool]] = set()
-        for c in valid:
-            fam = self.seed_family(c)
-            if fam not in seen:
-                seen.add(fam)
-                picked.append(c)
-        picked += [c for c in valid if c not in picked]
-        return picked[:count]
+        return self.families_first(valid, count)
 
     def seed_family(self, config: Config) -> tuple[str, bool]:
         """The scheme (single_pass, fused, multi_stage) and whether the slice is split."""

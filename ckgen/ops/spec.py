@@ -8,7 +8,7 @@ Nothing here imports CuPy: specs, spaces, rendering and the DB run on machines w
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -169,6 +169,19 @@ class OpSpec(abc.ABC):
         which times jump rather than vary smoothly), or None (one family). The tuner seeds at
         least the first of `seed_configs` of each family, so no family is left to the model."""
         return None
+
+    def families_first(self, ranked: Sequence[Config], count: int) -> list[Config]:
+        """The first `count` of `ranked` reordered: the best of each `seed_family` first, then the
+        rest, each part in `ranked`'s order (diverse seeds for `seed_configs`)."""
+        seen: set[Any] = set()
+        heads: list[Config] = []
+        for c in ranked:
+            fam = self.seed_family(c)
+            if fam not in seen:
+                seen.add(fam)
+                heads.append(c)
+        chosen = set(heads)
+        return (heads + [c for c in ranked if c not in chosen])[:count]
 
     # ---- device buffers, as flat host arrays in device memory order (used by verify/bench) ----
     @abc.abstractmethod

@@ -1,13 +1,15 @@
 """ckgen on shapes no DB entry covers (bench/heldout.yaml), the dispatcher choosing on its own,
 against PyTorch eager, in one run:
 
-    python bench/heldout.py [--out DIR] [--limit N] [--tune-trials 40 [--tuned-db FILE] [--tune-budget S]]
+    python bench/heldout.py [--out DIR] [--limit N] [--no-compile] [--tune-trials 40 [--tuned-db FILE] [--tune-budget S]]
 
 For each held-out problem: the dispatcher's pick (tuned / model / nearest / default, as
-`ckgen.explain` says), then ckgen's public op and PyTorch eager doing the same job, timed two ways
-with the same Timer: GPU time (CUDA events, L2 flushed before every run, which hides host time)
-and host-inclusive time per call (back-to-back calls, no flush, as a model's loop runs them).
-Also the max abs difference to PyTorch as a sanity check.
+`ckgen.explain` says), then ckgen's public op, PyTorch eager and torch.compile (dynamic=False)
+doing the same job, timed two ways with the same Timer: GPU time (CUDA events, L2 flushed before
+every run, which hides host time) and host-inclusive time per call (back-to-back calls, no flush,
+as a model's loop runs them). Also a device copy of the op's minimum bytes in the same run (GB/s
+and copy-equivalent efficiency = copy time / op time) and the max abs difference to PyTorch as a
+sanity check.
 
 With --tune-trials N each problem is also tuned on its own (`tune_problem`, N trials) into
 --tuned-db, a separate file (never the user or shipped DB; problems already in it are not tuned
@@ -53,7 +55,11 @@ def problem_of(case: dict[str, Any]):
 
 
 def calls(case: dict[str, Any]):
-    """(ours, eager, explain) closures for a case, on fresh random inputs."""
+    """(ours, eager, explain, graph) closures for a case, on fresh random inputs. graph is the job
+    as a functional PyTorch graph for torch.compile: the op itself, or for the GroupNorm backward
+    ops what inductor sees in a training graph (aten.native_group_norm_backward with the outputs
+    the job needs, after silu_backward for swish), not autograd.grad; None where eager already
+    is that graph (the pooling ops: one aten op each)."""
     import torch
     import torch.nn.functional as F
 
@@ -76,7 +82,7 @@ def calls(case: dict[str, Any]):
                 y = F.group_norm(x, G, gamma, beta, 1e-5)
                 return F.silu(y) if swish else y
             return (lambda: ckgen.groupnorm_fwd(x, gamma, beta, G, activation=act)[0], eager,
-                    lambda: ckgen.explain(name, x, gamma, beta, G, activation=act))
+                    lambda: ckgen.explain(name, x, gamma, beta, G, activation=act), eager)
         dy = torch.randn(N, C, H, W, device="cuda").to(dt).contiguous(memory_format=fmt)
         _, mean, rstd = ckgen.groupnorm_fwd(x, gamma, beta, G)
         xr, wr, br = (t.detach().requires_grad_() for t in (x, gamma, beta))
@@ -87,38 +93,52 @@ def calls(case: dict[str, Any]):
         def eager():  # what autograd runs for this job (any layout; the native op rejects channels-last)
             return torch.autograd.grad(yr, want, dy, retain_graph=True)
 
+        # for torch.compile: mean/rstd as PyTorch's forward stores them (an NCHW copy: same values)
+        ypre, tmean, trstd = aten.native_group_norm(x.contiguous(), gamma, beta, N, C, H * W, G, 1e-5)
+        ypre = ypre.contiguous(memory_format=fmt)
+        mask = {"groupnorm_bwd": [True, True, True], "groupnorm_bwd_data": [True, False, False],
+                "groupnorm_bwd_gamma_beta": [False, True, True]}[name]
+
+        def graph():
+            g = aten.silu_backward(dy, ypre) if swish else dy
+            return aten.native_group_norm_backward(g, x, tmean, trstd, gamma, N, C, H * W, G, mask)
+
         if name == "groupnorm_bwd_gamma_beta":
             def ours():
                 return ckgen.groupnorm_bwd_gamma_beta(dy, x, mean, rstd, G, gamma, beta, activation=act)
-            return ours, eager, lambda: ckgen.explain(name, dy, x, mean, rstd, G, gamma, beta, activation=act)
+            return ours, eager, lambda: ckgen.explain(name, dy, x, mean, rstd, G, gamma, beta, activation=act), graph
         fn = getattr(ckgen, name)
 
         def ours():
             return fn(dy, x, mean, rstd, gamma, G, beta, activation=act)
-        return ours, eager, lambda: ckgen.explain(name, dy, x, mean, rstd, gamma, G, beta, activation=act)
+        return ours, eager, lambda: ckgen.explain(name, dy, x, mean, rstd, gamma, G, beta, activation=act), graph
     k, s, p = case["kernel"], case.get("stride", case["kernel"]), case.get("padding", 0)
     cm = case.get("ceil_mode", False)
     if name == "maxpool2d_fwd":
         ri = case.get("return_indices", False)
         return (lambda: ckgen.maxpool2d_fwd(x, k, s, p, ceil_mode=cm, return_indices=ri),
                 lambda: F.max_pool2d(x, k, s, p, ceil_mode=cm, return_indices=ri),
-                lambda: ckgen.explain(name, x, k, s, p, ceil_mode=cm, return_indices=ri))
+                lambda: ckgen.explain(name, x, k, s, p, ceil_mode=cm, return_indices=ri),
+                None)
     if name == "maxpool2d_bwd":
         y, idx = F.max_pool2d(x, k, s, p, ceil_mode=cm, return_indices=True)
         dy = torch.randn_like(y)
         ind = None if case.get("indices") == "recompute" else idx
         return (lambda: ckgen.maxpool2d_bwd(dy, x, k, s, p, ceil_mode=cm, indices=ind),
                 lambda: aten.max_pool2d_with_indices_backward(dy, x, [k, k], [s, s], [p, p], [1, 1], cm, idx),
-                lambda: ckgen.explain(name, dy, x, k, s, p, ceil_mode=cm, indices=ind))
+                lambda: ckgen.explain(name, dy, x, k, s, p, ceil_mode=cm, indices=ind),
+                None)
     cip = case.get("count_include_pad", True)
     if name == "avgpool2d_fwd":
         return (lambda: ckgen.avgpool2d_fwd(x, k, s, p, ceil_mode=cm, count_include_pad=cip),
                 lambda: F.avg_pool2d(x, k, s, p, ceil_mode=cm, count_include_pad=cip),
-                lambda: ckgen.explain(name, x, k, s, p, ceil_mode=cm, count_include_pad=cip))
+                lambda: ckgen.explain(name, x, k, s, p, ceil_mode=cm, count_include_pad=cip),
+                None)
     dy = torch.randn_like(F.avg_pool2d(x, k, s, p, ceil_mode=cm, count_include_pad=cip))
     return (lambda: ckgen.avgpool2d_bwd(dy, x, k, s, p, ceil_mode=cm, count_include_pad=cip),
             lambda: aten.avg_pool2d_backward(dy, x, [k, k], [s, s], [p, p], cm, cip, None),
-            lambda: ckgen.explain(name, dy, x, k, s, p, ceil_mode=cm, count_include_pad=cip))
+            lambda: ckgen.explain(name, dy, x, k, s, p, ceil_mode=cm, count_include_pad=cip),
+            None)
 
 
 def _first(v: Any) -> Any:
@@ -156,6 +176,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).with_name("results")))
     ap.add_argument("--limit", type=int, default=0, help="only the first N cases (0: all)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     ap.add_argument("--tune-trials", type=int, default=0,
                     help="also tune each problem on its own with this many trials (0: no own-best column)")
     ap.add_argument("--tuned-db", default="", help="the own-best DB file (default DIR/heldout-tuned-db.yaml)")
@@ -169,7 +190,7 @@ def main() -> int:
     import torch
 
     import ckgen
-    from ckgen.bench import Timer
+    from ckgen.bench import Timer, gbps
     from ckgen.target import device_info
 
     info = device_info(None)
@@ -180,27 +201,123 @@ def main() -> int:
     def log(msg: str) -> None:
         print(f"{msg} ({time.monotonic() - t0:.0f} s)", flush=True)
 
+    def report() -> list[str]:
+        """Write DIR/heldout-<device>.md and .json from the rows so far (after every problem, so a
+        run cut short keeps what it measured); the Markdown lines."""
+        def geo(vals: list[float]) -> float:
+            return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+        slow_gpu = [r for r in rows if r["speedup_gpu"] < 1.0]
+        slow_host = [r for r in rows if r["speedup_host"] < 1.0]
+        comp_rows = [r for r in rows if r.get("speedup_compile_gpu")]
+        slow_comp_gpu = [r for r in comp_rows if r["speedup_compile_gpu"] < 1.0]
+        slow_comp_host = [r for r in comp_rows if r["speedup_compile_host"] < 1.0]
+        judged = [r for r in rows if "pick_vs_own" in r]
+        dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+
+        def num(v: Any, fmt: str = ".1f", suffix: str = "") -> str:
+            return "n/a" if v is None else f"{v:{fmt}}{suffix}"
+
+        lines = [f"# Held-out shapes on {info.name} ({info.target.arch})", "",
+                 "Measured in one run by bench/heldout.py on bench/heldout.yaml (shapes no shipped DB entry covers), "
+                 "the dispatcher choosing alone (shipped DB + user DB; `source` as `ckgen.explain` says). "
+                 "GPU: CUDA events, L2 flushed before every run (hides host time), median of 20. "
+                 "host-incl: back-to-back calls without a flush, time per call (median of 7 rounds): what a model's "
+                 "loop sees. eager: PyTorch doing the same job (F.group_norm(+F.silu), autograd of it for the "
+                 "GroupNorm backward ops, F.max_pool2d / F.avg_pool2d and their aten backward ops). compile: "
+                 "torch.compile(dynamic=False) of the same job as a functional graph (for the GroupNorm backward ops "
+                 "aten.native_group_norm_backward with the job's outputs, after silu_backward for swish). "
+                 "copy: a device-to-device copy of the op's minimum bytes, same run; GB/s = minimum bytes / ckgen GPU "
+                 "time; eff = copy time / op time (ckgen / eager / compile). "
+                 + (f"own best: the problem tuned on its own ({args.tune_trials} trials, a separate DB file), the "
+                    "public op timed again with it in the same run; pick/own > 1 means the pick is slower."
+                    if args.tune_trials else "No own-best column in this run (--tune-trials 0)."), "",
+                 ("| op | problem | source | min MB | ckgen GPU us | own best GPU us | pick/own | eager GPU us | "
+                 "compile GPU us | vs eager GPU | vs compile GPU | GB/s | eff: ckgen / eager / compile | "
+                 "host-incl us: ckgen / eager / compile | vs eager host-incl | vs compile host-incl | instance |"),
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            ob = num(r.get("own_gpu_us"))
+            po = num(r.get("pick_vs_own"), ".2f", "x")
+            lines.append(f"| {r['op']} | {r['problem']} | {r['source']} | {r['min_MB']:.2f} | {r['gpu_us']:.1f} | {ob} | "
+                         f"{po} | {r['eager_gpu_us']:.1f} | {num(r['compile_gpu_us'])} | {r['speedup_gpu']:.2f}x | "
+                         f"{num(r['speedup_compile_gpu'], '.2f', 'x')} | {r['GBps']:.0f} | {r['eff']:.2f} / "
+                         f"{r['eager_eff']:.2f} / {num(r['compile_eff'], '.2f')} | {r['host_us']:.1f} / "
+                         f"{r['eager_host_us']:.1f} / {num(r['compile_host_us'])} | {r['speedup_host']:.2f}x | "
+                         f"{num(r['speedup_compile_host'], '.2f', 'x')} | {r['instance']} |")
+        lines += ["", (f"Geomean over {len(rows)} problems: {geo([r['speedup_gpu'] for r in rows]):.2f}x eager GPU time, "
+                  f"{geo([r['speedup_host'] for r in rows]):.2f}x eager host-inclusive. Slower than eager: "
+                  f"{len(slow_gpu)} in GPU time, {len(slow_host)} host-inclusive.")]
+        if comp_rows:
+            lines += [(f"torch.compile ({len(comp_rows)} problems compiled): geomean "
+                      f"{geo([r['speedup_compile_gpu'] for r in comp_rows]):.2f}x in GPU time, "
+                      f"{geo([r['speedup_compile_host'] for r in comp_rows]):.2f}x host-inclusive. Slower than "
+                      f"compile: {len(slow_comp_gpu)} in GPU time, {len(slow_comp_host)} host-inclusive.")]
+        lines += [f"Copy-equivalent efficiency, geomean: ckgen {geo([r['eff'] for r in rows]):.2f}, eager "
+                  f"{geo([r['eager_eff'] for r in rows]):.2f}"
+                  + (f", compile {geo([r['compile_eff'] for r in comp_rows]):.2f} (over the compiled problems)"
+                     if comp_rows else "") + "."]
+        if judged:
+            worst = max(judged, key=lambda r: r["pick_vs_own"])
+            lines += [(f"Pick vs own best over the {len(judged)} problems tuned on their own: geomean "
+                      f"{geo([r['pick_vs_own'] for r in judged]):.2f}x, worst {worst['pick_vs_own']:.2f}x "
+                      f"({worst['op']} {worst['problem']}); within 1.15x: "
+                      f"{sum(r['pick_vs_own'] <= 1.15 for r in judged)}/{len(judged)}.")]
+            by_src: dict[str, list[float]] = {}
+            for r in judged:
+                by_src.setdefault(r["source"], []).append(r["pick_vs_own"])
+            lines += ["By source: " + ", ".join(f"{k} {geo(v):.2f}x over {len(v)}" for k, v in sorted(by_src.items())) + "."]
+        lines.append("")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"heldout-{dev}.md").write_text("\n".join(lines))
+        (out / f"heldout-{dev}.json").write_text(json.dumps({"device": info.name, "tune_trials": args.tune_trials,
+                                                             "rows": rows}, indent=1))
+        return lines
+
     for case in cases:
         op, p = problem_of(case)
-        ours, eager, explain = calls(case)
+        ours, eager, explain, graph = calls(case)
         choice = explain()
         got, want = _first(ours()), _first(eager())
         diff = (got.float() - want.float()).abs().max().item()
+        nbytes = op.min_bytes(p)
+        copy = timer.copy_time(nbytes)
         g_ours, g_eager = timer.time(ours), timer.time(eager)
         h_ours = timer.back_to_back(ours, g_ours.median_us)
         h_eager = timer.back_to_back(eager, g_eager.median_us)
+        g_comp = h_comp = None
+        if not args.no_compile:
+            try:
+                comp = torch.compile(graph or eager, dynamic=False)
+                comp()
+                g_comp = timer.time(comp)
+                h_comp = timer.back_to_back(comp, g_comp.median_us)
+            except Exception as e:  # noqa: BLE001 - recorded as n/a, the run goes on
+                log(f"torch.compile failed for {op.name} {p.key()}: {e.__class__.__name__}: {e}")
+            torch._dynamo.reset()  # one compiled graph per problem: no recompile limit, no cache growth
         rows.append({"op": op.name, "problem": p.key(), "source": choice.source, "instance": choice.instance,
-                     "reason": choice.reason,
+                     "reason": choice.reason, "min_MB": nbytes / 1e6, "copy_us": copy.median_us,
                      "gpu_us": g_ours.median_us, "eager_gpu_us": g_eager.median_us,
+                     "compile_gpu_us": g_comp.median_us if g_comp else None,
+                     "GBps": gbps(nbytes, g_ours.median_us), "eff": copy.median_us / g_ours.median_us,
+                     "eager_eff": copy.median_us / g_eager.median_us,
+                     "compile_eff": copy.median_us / g_comp.median_us if g_comp else None,
                      "host_us": h_ours.median_us, "eager_host_us": h_eager.median_us,
+                     "compile_host_us": h_comp.median_us if h_comp else None,
                      "speedup_gpu": g_eager.median_us / g_ours.median_us,
-                     "speedup_host": h_eager.median_us / h_ours.median_us, "max_abs_diff_vs_torch_first_output": diff})
+                     "speedup_host": h_eager.median_us / h_ours.median_us,
+                     "speedup_compile_gpu": g_comp.median_us / g_ours.median_us if g_comp else None,
+                     "speedup_compile_host": h_comp.median_us / h_ours.median_us if h_comp else None,
+                     "max_abs_diff_vs_torch_first_output": diff})
         r = rows[-1]
+        cg = f"{r['compile_gpu_us']:8.1f}" if g_comp else "     n/a"
         log(f"{op.name:24s} {p.key():75s} [{choice.source:7s}] gpu {r['gpu_us']:8.1f} vs {r['eager_gpu_us']:8.1f} "
-            f"(x{r['speedup_gpu']:.2f}) | host {r['host_us']:8.1f} vs {r['eager_host_us']:8.1f} "
-            f"(x{r['speedup_host']:.2f})")
-        del ours, eager
+            f"(x{r['speedup_gpu']:.2f}) compile {cg} eff {r['eff']:.2f} | host {r['host_us']:8.1f} vs "
+            f"{r['eager_host_us']:8.1f} (x{r['speedup_host']:.2f})")
+        del ours, eager, graph
         torch.cuda.empty_cache()
+        report()
 
     own: dict[tuple[str, str], Any] = {}
     if args.tune_trials:
@@ -212,7 +329,7 @@ def main() -> int:
             for case, r in zip(cases, rows):
                 if (r["op"], r["problem"]) not in own:
                     continue
-                ours, _, explain = calls(case)
+                ours, _, explain, _ = calls(case)
                 choice = explain()
                 if choice.source != "tuned":
                     log(f"{r['op']} {r['problem']}: own-best DB entry not used ({choice.source}: {choice.reason})")
@@ -231,52 +348,7 @@ def main() -> int:
                 os.environ["CKGEN_DB"] = saved
             ckgen.reload_db()
 
-    def geo(vals: list[float]) -> float:
-        return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
-
-    slow_gpu = [r for r in rows if r["speedup_gpu"] < 1.0]
-    slow_host = [r for r in rows if r["speedup_host"] < 1.0]
-    judged = [r for r in rows if "pick_vs_own" in r]
-    dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
-    lines = [f"# Held-out shapes on {info.name} ({info.target.arch})", "",
-             "Measured in one run by bench/heldout.py on bench/heldout.yaml (shapes no shipped DB entry covers), "
-             "the dispatcher choosing alone (shipped DB + user DB; `source` as `ckgen.explain` says). "
-             "GPU: CUDA events, L2 flushed before every run (hides host time), median of 20. "
-             "host-incl: back-to-back calls without a flush, time per call (median of 7 rounds): what a model's "
-             "loop sees. eager: PyTorch doing the same job (F.group_norm(+F.silu), autograd of it for the "
-             "GroupNorm backward ops, F.max_pool2d / F.avg_pool2d and their aten backward ops). "
-             + (f"own best: the problem tuned on its own ({args.tune_trials} trials, a separate DB file), the "
-                "public op timed again with it in the same run; pick/own > 1 means the pick is slower."
-                if args.tune_trials else "No own-best column in this run (--tune-trials 0)."), "",
-             "| op | problem | source | ckgen GPU us | own best GPU us | pick/own | eager GPU us | vs eager GPU | "
-             "ckgen host-incl us | eager host-incl us | vs eager host-incl | instance |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ob = f"{r['own_gpu_us']:.1f}" if "own_gpu_us" in r else "-"
-        po = f"{r['pick_vs_own']:.2f}x" if "pick_vs_own" in r else "-"
-        lines.append(f"| {r['op']} | {r['problem']} | {r['source']} | {r['gpu_us']:.1f} | {ob} | {po} | "
-                     f"{r['eager_gpu_us']:.1f} | {r['speedup_gpu']:.2f}x | {r['host_us']:.1f} | "
-                     f"{r['eager_host_us']:.1f} | {r['speedup_host']:.2f}x | {r['instance']} |")
-    lines += ["", f"Geomean over {len(rows)} problems: {geo([r['speedup_gpu'] for r in rows]):.2f}x eager GPU time, "
-              f"{geo([r['speedup_host'] for r in rows]):.2f}x eager host-inclusive. Slower than eager: "
-              f"{len(slow_gpu)} in GPU time, {len(slow_host)} host-inclusive."]
-    if judged:
-        worst = max(judged, key=lambda r: r["pick_vs_own"])
-        lines += [f"Pick vs own best over the {len(judged)} problems tuned on their own: geomean "
-                  f"{geo([r['pick_vs_own'] for r in judged]):.2f}x, worst {worst['pick_vs_own']:.2f}x "
-                  f"({worst['op']} {worst['problem']}); within 1.15x: "
-                  f"{sum(r['pick_vs_own'] <= 1.15 for r in judged)}/{len(judged)}."]
-        by_src: dict[str, list[float]] = {}
-        for r in judged:
-            by_src.setdefault(r["source"], []).append(r["pick_vs_own"])
-        lines += ["By source: " + ", ".join(f"{k} {geo(v):.2f}x over {len(v)}" for k, v in sorted(by_src.items())) + "."]
-    lines.append("")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"heldout-{dev}.md").write_text("\n".join(lines))
-    (out / f"heldout-{dev}.json").write_text(json.dumps({"device": info.name, "tune_trials": args.tune_trials,
-                                                         "rows": rows}, indent=1))
-    print("\n".join(lines))
+    print("\n".join(report()))
     return 0
 
 

@@ -59,7 +59,7 @@ def test_packaged_model_loads_fast_without_a_gpu(model_on):
     took = time.perf_counter() - t0
     assert isinstance(model, costmodel.CostModel)
     print(f"\ncost model: {model.summary()}; loaded in {1e3 * took:.1f} ms")
-    assert took < 0.2  # a few kilobytes of JSON (about 1 ms here)
+    assert took < 0.2  # ~300 KB of JSON, most of it the residual table (about 10 ms here)
     assert model.stats["devices"] == ["NVIDIA H100 80GB HBM3"]
 
 
@@ -93,6 +93,48 @@ def test_model_file_round_trips(model_on, tmp_path):
     again = costmodel.CostModel.from_doc(json.loads(costmodel.dumps(model_on)))
     cands = costmodel.candidates(GN, p, SM90, model_on.winner_configs(GN), lambda c: bool(GN.validate(p, c, SM90)))
     assert model_on.rank(GN, p, cands, SM90) == again.rank(GN, p, cands, SM90)
+
+
+def _records_for(op, p, times: dict) -> list[dict]:
+    return [records.make_record(op, p, SM90, "test", c, ok=True, time_us=t) for c, t in times.items()]
+
+
+def test_measured_correction_follows_nearby_timings_and_only_those():
+    """A config the records time far slower than the model predicts, on a problem next to the one
+    asked about, is predicted slower there too (the residual table); on another arch, or with the
+    correction off, the prediction is the roofline's alone."""
+    near = GN.parse_problem(N=3, C=320, H=24, W=24, G=32, dtype="bf16", layout="nhwc")
+    ask = GN.parse_problem(N=3, C=320, H=24, W=24, G=32, dtype="fp16", layout="nhwc")
+    recorded = {r["problem"] for r in records.read(records.packaged_records_path())}
+    assert near.key() not in recorded and ask.key() not in recorded
+    valid = [c for c in GN.space.enumerate() if GN.validate(near, c, SM90) and GN.validate(ask, c, SM90)][:40]
+    base = costmodel.fit(records.read(records.packaged_records_path()))
+    base.residuals = {}
+    pred = {c: base.predict(GN, near, c, SM90).gpu_us for c in valid}
+    slow = valid[5]
+    times = {c: pred[c] * (8.0 if c == slow else 1.0) for c in valid}  # the model is right but for one
+    model = costmodel.fit(records.read(records.packaged_records_path()) + _records_for(GN, near, times))
+    corr = dict(zip(valid, model.corrections(GN, ask, valid, SM90)))
+    assert corr[slow] > 0.4  # log(8) = 2.1, weighted by exp(-distance) (dtype differs: 2) and shrunk
+    assert statistics.median(abs(v) for c, v in corr.items() if c != slow) < 0.1 * corr[slow]
+    ratio = model.predict(GN, ask, slow, SM90).gpu_us / model.predict(GN, ask, valid[6], SM90).gpu_us
+    assert ratio > 1.4 * base.predict(GN, ask, slow, SM90).gpu_us / base.predict(GN, ask, valid[6], SM90).gpu_us
+    # the problem's own records never correct it (a tuned problem is served from the DB anyway)
+    own = dict(zip(valid, model.corrections(GN, near, valid, SM90)))
+    assert abs(own[slow]) < 0.5 * corr[slow]
+    assert model.corrections(GN, ask, valid, Target.named("sm_80")) == [0.0] * len(valid)
+    model.correction = {"tau": 0.0, "prior": 0.2}
+    assert model.corrections(GN, ask, valid, SM90) == [0.0] * len(valid)
+
+
+def test_model_with_a_malformed_residual_table_is_rejected():
+    doc = json.loads(costmodel.packaged_model_path().read_text())
+    assert doc["residuals"] and doc["correction"]["tau"] > 0
+    for bad in ({"groupnorm_fwd": []}, {"groupnorm_fwd": {"problems": []}}, []):
+        with pytest.raises(costmodel.ModelError, match="residuals"):
+            costmodel.CostModel.from_doc({**doc, "residuals": bad})
+    with pytest.raises(costmodel.ModelError, match="correction"):
+        costmodel.CostModel.from_doc({**doc, "correction": {"tau": float("nan")}})
 
 
 def test_packaged_model_is_fit_from_the_packaged_records():

@@ -4,9 +4,11 @@ sampler and lookahead, seeded as `ckgen tune` seeds it but from a cost model fit
 replayed problem's records (`replay.held_out_model`: the shipped records hold the sweeps), and is
 scored by the best config found / the exhaustive best.
 
-The committed sweeps predate merge=global: they hold every merge=cluster config and none of the
-merge=global ones, so the replay searches only the recorded configs (`Sweep.covers`) and says so
-in the table. Target (issue 17): >= 90% of runs within 3% of the best at 40 trials, >= 70% at 20."""
+The two GroupNorm-forward sweeps predate merge=global: they hold every merge=cluster config and
+none of the merge=global ones, so the replay searches only the recorded configs (`Sweep.covers`)
+and says so in the table. The pooling sweeps (max/avg, fwd/bwd, both layouts, N=64 C=64 112x112
+k3 s2 p1 bf16: the ResNet stem) are fresh and cover today's spaces; a sweep still being
+measured ("complete": false) is not replayed. Target (issue 17): >= 90% of runs within 3% of the best at 40 trials, >= 70% at 20."""
 from __future__ import annotations
 
 import statistics
@@ -51,15 +53,26 @@ def _share(results, trials):
     return {name: sum(r <= WITHIN for r in rs) / len(rs) for (name, t), rs in results.items() if t == trials}
 
 
+@pytest.mark.xfail(strict=True, reason="issue 17's 40-trial target (>= 90% of runs within 3%) is met on 8 of the 9 "
+                   "complete sweeps (20/20 each) but not on the fresh maxpool2d_bwd NHWC sweep (0/20: every seed ends "
+                   "4.7% off); 160/180 runs in all; strict: when it passes, make it a plain test")
 def test_replayed_search_at_40_trials_is_within_3pct_in_90pct_of_runs(results):
     share = _share(results, 40)
     assert all(v >= TARGET[40] for v in share.values()), share
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17's 20-trial target (>= 70% of runs within 3%) is met on the NCHW "
-                   "sweep (20/20) but not on NHWC (0/20; 16.0% off with the model refit on the broad grid, 6.9% "
-                   "before; bench/results/replay-search.md); strict: when "
-                   "it passes, make it a plain test")
+def test_replayed_search_at_40_trials_stays_near_the_best(results):
+    """What 40 trials do reach today (a floor against regressions, not the target): every run
+    within 6% of the exhaustive best (worst today 4.7%), 85% of all runs within 3% (today 89%)."""
+    runs = [r for (_, t), rs in results.items() if t == 40 for r in rs]
+    assert max(runs) <= 1.06, {name: max(rs) for (name, t), rs in results.items() if t == 40}
+    assert sum(r <= WITHIN for r in runs) >= 0.85 * len(runs)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17's 20-trial target (>= 70% of runs within 3%) is met on 5 of the 9 "
+                   "complete sweeps, not on GroupNorm fwd NHWC 8x320x64x64 (0/20, 16.0% off), max pool fwd NHWC "
+                   "(4/20), max pool bwd NHWC (2/20) and NCHW (13/20); 113/180 runs (63%) in all; strict: when it "
+                   "passes, make it a plain test")
 def test_replayed_search_at_20_trials_is_within_3pct_in_70pct_of_runs(results):
     share = _share(results, 20)
     assert all(v >= TARGET[20] for v in share.values()), share
@@ -67,6 +80,7 @@ def test_replayed_search_at_20_trials_is_within_3pct_in_70pct_of_runs(results):
 
 def test_replayed_search_at_20_trials_stays_near_the_best(results):
     """What 20 trials do reach today (a floor against regressions, not the target): every run
-    within 17% of the exhaustive best."""
-    assert all(max(rs) <= 1.17 for (_, t), rs in results.items() if t == 20), \
+    within 22% of the exhaustive best (worst today: 20.7%, max pool bwd NHWC; GroupNorm fwd NHWC
+    16.0%)."""
+    assert all(max(rs) <= 1.22 for (_, t), rs in results.items() if t == 20), \
         {name: max(rs) for (name, t), rs in results.items() if t == 20}

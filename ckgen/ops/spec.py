@@ -212,3 +212,8 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def distance(self, a: Any, b: Any) -> float:
         """How far apart two problems are, for the dispatcher's nearest-tuned fallback."""
+
+    def related_distance(self, a: Any, b: Any) -> float:
+        """How far apart two problems are for the cost model's measured correction (how much one's
+        timings say about the other's): `distance`, unless an op says otherwise."""
+        return self.distance(a, b)

@@ -315,12 +315,18 @@ class _PoolOp(OpSpec):
         i = np.int32
         return i(p.N), i(p.C), i(p.H), i(p.W), i(p.OH), i(p.OW)
 
-    def distance(self, a: PoolProblem, b: PoolProblem) -> float:
+    def _shape_distance(self, a: PoolProblem, b: PoolProblem) -> float:
         d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.H * a.W / (b.H * b.W)))
         d += abs(math.log(a.C / b.C)) + abs(math.log(a.N / b.N))
-        d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype)
-        d += 0.0 if a.same_pooling(b) else 100.0  # other pooling params: another kernel entirely
-        return d
+        return d + 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype)
+
+    def distance(self, a: PoolProblem, b: PoolProblem) -> float:
+        # other pooling params: another kernel entirely, its winner a last resort
+        return self._shape_distance(a, b) + (0.0 if a.same_pooling(b) else 100.0)
+
+    def related_distance(self, a: PoolProblem, b: PoolProblem) -> float:
+        # another window or stride: another kernel, but the same knobs mostly cost the same
+        return self._shape_distance(a, b) + (0.0 if a.same_pooling(b) else 1.5)
 
     def seed_configs(self, p: PoolProblem, target: Target, num_sms: int, count: int) -> list[Config]:
         """Valid configs a simple model likes: 16-byte vectors, 4-16 positions per thread (the

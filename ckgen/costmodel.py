@@ -73,6 +73,13 @@ MAX_STEPS = 3  # wide tier: up to this many knob steps from the winners
 # chosen on the exhaustive sweeps held out (bench/costmodel_loo.py --margins): 0.1-0.2 never
 # made a sweep's pick worse, 0.05 or none did (NHWC 1.30x -> 1.70x); 0.15 the middle.
 WIDE_MARGIN = 0.15
+# The dispatcher keeps the winner of a tuned sibling (same arch, op.distance <= NEAREST_DISTANCE:
+# the same shape in another dtype (2.0) or activation (0.5)) unless the model's pick is predicted
+# NEAREST_MARGIN faster (x 1/(1+M)); None: the model's pick always. Chosen by leave-one-problem-out
+# over the records (docs/architecture.md): farther tuned problems' winners are poor picks (the
+# held-out shapes, bench/results/heldout/runs/README.md: model-off).
+NEAREST_MARGIN: float | None = 0.3
+NEAREST_DISTANCE = 2.0
 WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
 
@@ -874,9 +881,22 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
     params = op.space.params
     mine = [e for e in entries if e.op == op.name and e.vendor == target.vendor]
     mine.sort(key=lambda e: (op.distance(p, op.problem_from_key(e.problem)), e.arch != target.arch, e.problem))
-    extra = []
+    extra, siblings = [], []
     for e in mine:
         c = Config.of(e.config_dict())
         if set(c.as_dict()) == set(params) and op.space.check(c):
             extra.append(c)
-    return model.choose(op, p, target, lambda c: bool(usable(c)), extra)
+            if e.arch == target.arch and op.distance(p, op.problem_from_key(e.problem)) <= NEAREST_DISTANCE + 1e-9:
+                siblings.append(c)
+    got = model.choose(op, p, target, lambda c: bool(usable(c)), extra)
+    if got is None or NEAREST_MARGIN is None:
+        return got
+    # a tuned sibling's winner is the incumbent: the model's pick replaces it only when predicted
+    # NEAREST_MARGIN faster (its ranking errors are of that size; see the constant)
+    inc = next((c for c in siblings if op.validate(p, c, target) and usable(c)), None)
+    if inc is None or inc == got[0]:
+        return got
+    pred_inc = model.predict(op, p, inc, target)
+    if got[1].total_us < pred_inc.total_us / (1.0 + NEAREST_MARGIN):
+        return got
+    return inc, pred_inc, got[2]

@@ -246,6 +246,29 @@ def test_db_winners_are_candidates(model_on):
     assert costmodel.candidates(GN, p, SM90, [odd, *model_on.winner_configs(GN)], usable) == cands[:near]
 
 
+def test_a_tuned_siblings_winner_stays_unless_the_model_is_sure(model_on, monkeypatch):
+    """The same shape tuned in another dtype: its winner is kept unless the model's own pick is
+    predicted NEAREST_MARGIN faster; a farther tuned problem's winner is only a candidate."""
+    p = GN.parse_problem(N=6, C=320, H=48, W=48, G=32, dtype="fp16", layout="nhwc")
+    sib = GN.parse_problem(N=6, C=320, H=48, W=48, G=32, dtype="bf16", layout="nhwc")  # distance 2
+    far = GN.parse_problem(N=24, C=320, H=48, W=48, G=32, dtype="bf16", layout="nhwc")
+    assert GN.distance(p, sib) <= costmodel.NEAREST_DISTANCE < GN.distance(p, far)
+    usable = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
+    monkeypatch.setattr(costmodel, "NEAREST_MARGIN", None)
+    free, free_pred, _ = costmodel.dispatch_pick(GN, p, SM90, [], usable)
+    assert free_pred.gpu_us > free_pred.host_us  # GPU-bound: configs differ in time per call
+    ranked = model_on.rank(GN, p, [c for c in GN.space.enumerate() if usable(c) and GN.validate(sib, c, SM90)
+                                   and GN.validate(far, c, SM90)], SM90)
+    close = next(c for pred, c in ranked if free_pred.total_us * 1.05 < pred.total_us < free_pred.total_us * 1.2)
+    slow = next(c for pred, c in ranked if pred.total_us > free_pred.total_us * 2)
+    assert costmodel.dispatch_pick(GN, p, SM90, [_entry(sib, close)], usable)[0] != close  # no incumbent rule
+    monkeypatch.setattr(costmodel, "NEAREST_MARGIN", 0.3)
+    got = costmodel.dispatch_pick(GN, p, SM90, [_entry(sib, close)], usable)
+    assert got[0] == close and got[1].gpu_us == pytest.approx(model_on.predict(GN, p, close, SM90).gpu_us)
+    assert costmodel.dispatch_pick(GN, p, SM90, [_entry(far, close)], usable)[0] != close  # not a sibling
+    assert costmodel.dispatch_pick(GN, p, SM90, [_entry(sib, slow)], usable)[0] != slow  # the model is sure
+
+
 @pytest.mark.parametrize("content", [None, b"{not json", b'{"format": "ckgen-costmodel", "version": 1}',
                                      b'{"format": "something else"}', b"\xff\xfe binary", b"[]"])
 def test_missing_or_corrupt_model_falls_back_to_nearest_with_one_warning(tmp_path, monkeypatch, content):
@@ -383,7 +406,11 @@ def sweep_loo():
     for r in res:
         print(f"  {r.op} {r.problem}: model {r.model:.3f}x, best candidate {r.oracle:.3f}x, nearest "
               f"{r.nearest:.3f}x, default {r.default:.3f}x ({r.candidates} candidates timed, {r.recorded} recorded)")
-    return {r.layout: r for r in res}
+    return {(r.op, r.layout): r for r in res}
+
+
+def _geo(xs) -> float:
+    return math.exp(statistics.mean(math.log(x) for x in xs))
 
 
 def test_leave_one_out_on_the_recorded_sweeps(sweep_loo):
@@ -391,20 +418,37 @@ def test_leave_one_out_on_the_recorded_sweeps(sweep_loo):
     its candidates that the sweep timed. Printed: the pick, the best candidate, today's
     nearest-tuned fallback and the default, as multiples of the sweep's best.
 
-    Measured (H100 sweeps, the model fit with the broad grid's trials): NCHW 16x512x64x64 1.056x
-    (nearest 1.28x, default 1.28x, best candidate 1.00x); NHWC 8x320x64x64 1.504x (nearest
-    1.48x, default 2.17x, best candidate 1.10x; its near tier's best is 1.13x, and the model
-    ranks the top of that tier wrongly). Before the broad grid: 1.25x and 1.30x. Asserted
-    loosely: the NCHW pick within 1.5x of the best, and the picks' geomean no worse than the
-    nearest fallback's; the NHWC bound is the strict xfail below."""
-    res = list(sweep_loo.values())
-    assert len(res) == 2
-    geo = lambda xs: math.exp(statistics.mean(math.log(x) for x in xs))  # noqa: E731
-    assert sweep_loo["nchw"].model <= 1.5
-    assert geo([r.model for r in res]) <= geo([r.nearest for r in res]) + 1e-9
+    Measured (H100 sweeps; the model with the measured correction, fit with the broad grid's
+    trials and the pooling sweeps): GroupNorm fwd NCHW 16x512x64x64 1.139x (nearest 1.28x,
+    default 1.28x); NHWC 8x320x64x64 1.504x (nearest 1.48x, default 2.17x, best candidate 1.10x).
+    Asserted loosely: the NCHW pick within 1.5x of the best, and the GroupNorm picks' geomean no
+    worse than the nearest fallback's; the NHWC bound is the strict xfail below, pooling after it."""
+    gn = [r for (op, _), r in sweep_loo.items() if op == "groupnorm_fwd"]
+    assert len(gn) == 2 and len(sweep_loo) >= 9  # and the pooling sweeps (7 complete, 1 partial)
+    assert sweep_loo[("groupnorm_fwd", "nchw")].model <= 1.5
+    assert _geo([r.model for r in gn]) <= _geo([r.nearest for r in gn]) + 1e-9
 
 
 @pytest.mark.xfail(strict=True, reason="issue 11: after the broad-grid refit the NHWC sweep's pick is 1.504x its "
                    "best (was 1.30x): the model misranks the top of the near tier, whose best is 1.13x")
 def test_leave_one_out_nhwc_sweep_pick_within_1_5x(sweep_loo):
-    assert sweep_loo["nhwc"].model <= 1.5
+    assert sweep_loo[("groupnorm_fwd", "nhwc")].model <= 1.5
+
+
+def _pool(sweep_loo):
+    return [r for (op, _), r in sweep_loo.items() if "pool" in op]
+
+
+def test_leave_one_out_pooling_sweeps_floor(sweep_loo):
+    """The 8 pooling sweeps (ResNet stem shape, both layouts), each held out: the model's pick is
+    1.02-1.51x the best (geomean 1.23x today); a floor against regressions, not the target."""
+    assert len(_pool(sweep_loo)) == 8
+    assert _geo([r.model for r in _pool(sweep_loo)]) <= 1.3
+
+
+@pytest.mark.xfail(strict=True, reason="issue 11: on the pooling sweeps the model's picks (1.23x the best, geomean) "
+                   "are worse than the nearest tuned problem's winner (1.05x): the same shape in other dtypes is "
+                   "tuned (the dispatcher keeps such a sibling's winner: costmodel.NEAREST_MARGIN), and the "
+                   "roofline ranks pooling configs poorly")
+def test_leave_one_out_pooling_model_no_worse_than_nearest(sweep_loo):
+    assert _geo([r.model for r in _pool(sweep_loo)]) <= _geo([r.nearest for r in _pool(sweep_loo)])

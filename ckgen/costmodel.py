@@ -22,11 +22,16 @@ over: its log GPU time moves by the weighted mean of the config's within-problem
 on the other recorded problems of the op (weights exp(-related_distance / CORR_TAU), shrunk
 toward 0 by CORR_PRIOR of pseudo-weight; the problem itself never counts). It corrects
 systematic errors of the form (a config the roofline flatters on small slices, say) from what the
-tuner measured next door. `fit` stores the residual table in the model file (most of its ~550
+tuner measured next door. `fit` stores the residual table in the model file (most of its ~500
 kB). Leave-one-problem-out over the records (`bench/costmodel_loo.py --all`: 263 problems) it
 takes the pick from 1.146x the best timed to 1.074x (tau 1, prior 0.2, chosen there); on the
 held-out shapes (`bench/heldout.py`), which sit farther from every recorded problem, it changed
 little (1.27x -> 1.26x their own tuned best, bench/results/heldout/runs/README.md).
+
+**A tuned sibling wins ties** (`dispatch_pick`): the winner of the same shape tuned in another
+dtype or activation (op.distance <= NEAREST_DISTANCE) is kept unless the model's pick is
+predicted NEAREST_MARGIN faster (bench/costmodel_incumbent_loo.py: 1.064x -> 1.047x over the
+records, the sweeps 1.24x -> 1.10x; held out: 1.24x).
 
 **Host time.** A call costs the host a fixed part, ~4 us per kernel launch (cuLaunchKernel)
 and ~3 us per output allocation (measured: bench/results/host_overhead-*.json). Back to back,
@@ -280,7 +285,8 @@ class CostModel:
         self.winners = {k: list(v) for k, v in winners.items()}
         self.stats = dict(stats)
         self._winner_configs: dict[str, list[Config]] = {}
-        # per op: the recorded problems ([arch, key]), their configs, and [problem, config, residual]
+        # per op: the recorded problems ([arch, key]), their configs, and parallel lists problem /
+        # config (indices into those) / residual (flat lists: a fast load)
         self.residuals = {k: v for k, v in (residuals or {}).items()}
         self.correction = {"tau": CORR_TAU, "prior": CORR_PRIOR, **(correction or {})}
         self._resid_index: dict[str, tuple[list[tuple[str, Problem]], dict[Config, list[tuple[int, float]]]]] = {}
@@ -321,8 +327,8 @@ class CostModel:
                 raise ModelError("'winners' is not a mapping of op -> list of configs")
             resid = doc.get("residuals", {})
             if not isinstance(resid, dict) or not all(_residuals_ok(v) for v in resid.values()):
-                raise ModelError("'residuals' is not a mapping of op -> {knobs, problems, configs, entries} "
-                                 "with entries [problem index, config index, finite residual]")
+                raise ModelError("'residuals' is not a mapping of op -> {knobs, problems, configs, problem, "
+                                 "config, residual} (index lists in range, finite residuals)")
             corr = {k: float(v) for k, v in (doc.get("correction") or {}).items()}
             if not all(math.isfinite(v) and v >= 0 for v in corr.values()):
                 raise ModelError("'correction': a constant is not finite or negative")
@@ -355,7 +361,8 @@ class CostModel:
     def _residual_index(self, op: OpSpec) -> tuple[list[tuple[str, Problem]], dict[Config, list[tuple[int, float]]]]:
         idx = self._resid_index.get(op.name)
         if idx is None:
-            doc = self.residuals.get(op.name) or {"problems": [], "configs": [], "entries": []}
+            doc = self.residuals.get(op.name) or {"knobs": [], "problems": [], "configs": [], "problem": [],
+                                                   "config": [], "residual": []}
             probs = []
             for arch, key in doc["problems"]:
                 try:
@@ -365,7 +372,7 @@ class CostModel:
             knobs = doc["knobs"]
             cfgs = [Config.of({k: v for k, v in zip(knobs, c) if v is not None}) for c in doc["configs"]]
             by_cfg: dict[Config, list[tuple[int, float]]] = {}
-            for pi, ci, res in doc["entries"]:
+            for pi, ci, res in zip(doc["problem"], doc["config"], doc["residual"]):
                 if probs[pi][1] is not None:
                     by_cfg.setdefault(cfgs[ci], []).append((int(pi), float(res)))
             idx = self._resid_index[op.name] = (probs, by_cfg)
@@ -627,15 +634,17 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
 
 def _residuals_ok(v: Any) -> bool:
     """One op's residual table is well formed (indices in range, residuals finite)."""
-    if not isinstance(v, dict) or not all(isinstance(v.get(k), list) for k in ("knobs", "problems", "configs", "entries")):
+    keys = ("knobs", "problems", "configs", "problem", "config", "residual")
+    if not isinstance(v, dict) or not all(isinstance(v.get(k), list) for k in keys):
         return False
-    n_p, n_c, n_k = len(v["problems"]), len(v["configs"]), len(v["knobs"])
-    return (all(isinstance(k, str) for k in v["knobs"])
+    n_p, n_c, n_k, n = len(v["problems"]), len(v["configs"]), len(v["knobs"]), len(v["residual"])
+    return (len(v["problem"]) == len(v["config"]) == n
+            and all(isinstance(k, str) for k in v["knobs"])
             and all(isinstance(q, list) and len(q) == 2 and all(isinstance(x, str) for x in q) for q in v["problems"])
             and all(isinstance(c, list) and len(c) == n_k for c in v["configs"])
-            and all(isinstance(e, list) and len(e) == 3 and isinstance(e[0], int) and isinstance(e[1], int)
-                    and 0 <= e[0] < n_p and 0 <= e[1] < n_c and isinstance(e[2], (int, float)) and math.isfinite(e[2])
-                    for e in v["entries"]))
+            and all(type(i) is int and 0 <= i < n_p for i in v["problem"])
+            and all(type(i) is int and 0 <= i < n_c for i in v["config"])
+            and all(isinstance(x, (int, float)) and math.isfinite(x) for x in v["residual"]))
 
 
 def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.ndarray) -> dict[str, dict[str, Any]]:
@@ -654,7 +663,8 @@ def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.
     for (name, arch, key), g in sorted(by.items()):
         if len(g) < 2:
             continue  # one timing says nothing about one config against another
-        doc = out.setdefault(name, {"problems": [], "configs": [], "entries": [], "_ci": {}})
+        doc = out.setdefault(name, {"problems": [], "configs": [], "problem": [], "config": [], "residual": [],
+                                    "_ci": {}})
         pi = len(doc["problems"])
         doc["problems"].append([arch, key])
         mean = sum(g.values()) / len(g)
@@ -662,7 +672,9 @@ def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.
             ci = doc["_ci"].setdefault(c, len(doc["configs"]))
             if ci == len(doc["configs"]):
                 doc["configs"].append(c.as_dict())
-            doc["entries"].append([pi, ci, round(g[c] - mean, 4)])
+            doc["problem"].append(pi)
+            doc["config"].append(ci)
+            doc["residual"].append(round(g[c] - mean, 4))
     for doc in out.values():  # configs as value lists under one list of knob names: a smaller file
         del doc["_ci"]
         knobs = sorted({k for c in doc["configs"] for k in c})
@@ -871,10 +883,12 @@ def recmod_by_problem(records: Iterable[dict[str, Any]]):
 
 
 def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
-                  usable: Callable[[Config], bool]) -> tuple[Config, Prediction, int] | None:
+                  usable: Callable[[Config], bool]) -> tuple[Config, Prediction, int, str | None] | None:
     """The dispatcher's question for a problem no usable DB entry covers: the model's best
     candidate (the DB entries' winners of this op on this vendor, nearest problem first, join
-    the recorded ones), its prediction and the candidate count; None without a model."""
+    the recorded ones), or a tuned sibling's winner it does not beat by NEAREST_MARGIN; its
+    prediction, the candidate count and the sibling's problem key (None: the model's own pick);
+    None without a model."""
     model = load()
     if model is None:
         return None
@@ -887,16 +901,16 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
         if set(c.as_dict()) == set(params) and op.space.check(c):
             extra.append(c)
             if e.arch == target.arch and op.distance(p, op.problem_from_key(e.problem)) <= NEAREST_DISTANCE + 1e-9:
-                siblings.append(c)
+                siblings.append((c, e.problem))
     got = model.choose(op, p, target, lambda c: bool(usable(c)), extra)
-    if got is None or NEAREST_MARGIN is None:
-        return got
-    # a tuned sibling's winner is the incumbent: the model's pick replaces it only when predicted
-    # NEAREST_MARGIN faster (its ranking errors are of that size; see the constant)
-    inc = next((c for c in siblings if op.validate(p, c, target) and usable(c)), None)
-    if inc is None or inc == got[0]:
-        return got
-    pred_inc = model.predict(op, p, inc, target)
-    if got[1].total_us < pred_inc.total_us / (1.0 + NEAREST_MARGIN):
-        return got
-    return inc, pred_inc, got[2]
+    if got is None:
+        return None
+    if NEAREST_MARGIN is not None:
+        # a tuned sibling's winner is the incumbent: the model's pick replaces it only when
+        # predicted NEAREST_MARGIN faster (its ranking errors are of that size; see the constant)
+        inc = next(((c, k) for c, k in siblings if op.validate(p, c, target) and usable(c)), None)
+        if inc is not None and inc[0] != got[0]:
+            pred_inc = model.predict(op, p, inc[0], target)
+            if got[1].total_us >= pred_inc.total_us / (1.0 + NEAREST_MARGIN):
+                return inc[0], pred_inc, got[2], inc[1]
+    return got[0], got[1], got[2], None

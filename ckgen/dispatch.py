@@ -149,10 +149,12 @@ class Dispatcher:
         picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
                                          lambda c: self._usable(op, problem, c, target, max_vec) is None)
         if picked is not None:
-            config, pred, n = picked
+            config, pred, n, sibling = picked
             src = render_instance(op, problem, config, target)
-            return Choice(op.name, problem.key(), src.name, config, "model",
-                          f"{stale}not tuned; the cost model predicts {pred}, best of {n} candidates"), src
+            why = (f"the cost model predicts {pred}, best of {n} candidates" if sibling is None else
+                   f"keeping the winner of the tuned sibling {sibling} (the cost model predicts {pred}; "
+                   f"none of its {n} candidates is predicted {100 * costmodel.NEAREST_MARGIN:.0f}% faster)")
+            return Choice(op.name, problem.key(), src.name, config, "model", f"{stale}not tuned; {why}"), src
         near = sorted((e for e in db.select(op.name, target.arch) if e.problem != problem.key()),
                       key=lambda e: op.distance(problem, op.problem_from_key(e.problem)))
         for e in near:

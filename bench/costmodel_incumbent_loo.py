@@ -24,17 +24,13 @@ def rows(shard: int, nshards: int) -> None:
     from ckgen import costmodel as cm
     from ckgen import records
     from ckgen.ops import get_op
-    from ckgen.ops.spec import Config, Target
+    from ckgen.ops.spec import Target
 
     recs = records.read(records.packaged_records_path())
     for i, ((op_name, arch, key), rs) in enumerate(cm.recmod_by_problem(recs)):
         if i % nshards != shard:
             continue
-        timed: dict = {}
-        for r in rs:
-            if r.get("ok"):
-                c = Config.of(r["config"])
-                timed[c] = min(timed.get(c, math.inf), float(r["time_us"]))
+        timed = cm.timed_configs(rs)
         if len(timed) < 2:
             continue
         op, target = get_op(op_name), Target.named(arch)
@@ -49,17 +45,10 @@ def rows(shard: int, nshards: int) -> None:
             cands, n_near = cm.candidate_tiers(op, p, target, model.winner_configs(op),
                                                lambda c: c in timed and bool(op.validate(p, c, target)))
         pred_pick, pick = model.select(op, p, cands, n_near, target)[0]
-        wins: dict = {}
-        for r in rest:
-            if r["op"] == op_name and r["arch"] == arch and r.get("ok"):
-                t = float(r["time_us"])
-                if r["problem"] not in wins or t < wins[r["problem"]][0]:
-                    wins[r["problem"]] = (t, Config.of(r["config"]))
-        order = sorted(wins, key=lambda k: op.distance(p, op.problem_from_key(k)))
-        nk = next((k for k in order if wins[k][1] in timed and op.validate(p, wins[k][1], target)), None)
-        if nk is None:
+        near = cm.nearest_recorded_winner(rest, op, p, arch, lambda c: c in timed and bool(op.validate(p, c, target)))
+        if near is None:
             continue
-        inc = wins[nk][1]
+        inc, nk = near
         pred_inc = model.predict(op, p, inc, target)
         out = [timed[pick if pred_pick.total_us < pred_inc.total_us / (1 + m) else inc] / best for m in MARGINS]
         print("ROW", op_name, p.layout, key, len(timed), f"{op.distance(p, op.problem_from_key(nk)):.2f}",

@@ -835,11 +835,7 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
     fitter = fitter or fit
     out = []
     for (op_name, arch, key), recs in recmod_by_problem(records):
-        timed: dict[Config, float] = {}
-        for r in recs:
-            if r.get("ok"):
-                c = Config.of(r["config"])
-                timed[c] = min(timed.get(c, math.inf), float(r["time_us"]))
+        timed = timed_configs(recs)
         if len(timed) < min_recorded:
             continue
         op, target = get_op(op_name), Target.named(arch)
@@ -859,14 +855,8 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
         pick = model.select(op, p, cands, n_near, target)[0][1]
         near_pick = model.rank(op, p, cands[:n_near], target)[0][1] if n_near else pick
         # today's fallback: the winner of the nearest other recorded problem whose winner is usable here
-        wins: dict[str, tuple[float, Config]] = {}
-        for r in rest:
-            if r["op"] == op_name and r["arch"] == arch and r.get("ok"):
-                t = float(r["time_us"])
-                if r["problem"] not in wins or t < wins[r["problem"]][0]:
-                    wins[r["problem"]] = (t, Config.of(r["config"]))
-        near = sorted(wins, key=lambda k: op.distance(p, op.problem_from_key(k)))
-        near_cfg = next((wins[k][1] for k in near if usable(wins[k][1])), None)
+        near = nearest_recorded_winner(rest, op, p, arch, usable)
+        near_cfg = near[0] if near else None
         dflt = op.space.nearest_default(usable)
         out.append(LooResult(op_name, key, p.layout, len(timed), len(cands), timed[pick] / best,
                              min(timed[c] for c in cands) / best,
@@ -874,6 +864,32 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
                              timed[dflt] / best if dflt is not None else math.nan,
                              timed[near_pick] / best))
     return out
+
+
+def timed_configs(records: Iterable[dict[str, Any]]) -> dict[Config, float]:
+    """The fastest recorded time of each config among (one problem's) records."""
+    timed: dict[Config, float] = {}
+    for r in records:
+        if r.get("ok"):
+            c = Config.of(r["config"])
+            timed[c] = min(timed.get(c, math.inf), float(r["time_us"]))
+    return timed
+
+
+def nearest_recorded_winner(records: Iterable[dict[str, Any]], op: OpSpec, p: Problem, arch: str,
+                            usable: Callable[[Config], bool]) -> tuple[Config, str] | None:
+    """The winner of the nearest recorded problem of this op and arch (op.distance) that
+    `usable` accepts, and that problem's key."""
+    wins: dict[str, tuple[float, Config]] = {}
+    for r in records:
+        if r["op"] == op.name and r["arch"] == arch and r.get("ok"):
+            t = float(r["time_us"])
+            if r["problem"] not in wins or t < wins[r["problem"]][0]:
+                wins[r["problem"]] = (t, Config.of(r["config"]))
+    for k in sorted(wins, key=lambda k: op.distance(p, op.problem_from_key(k))):
+        if usable(wins[k][1]):
+            return wins[k][1], k
+    return None
 
 
 def recmod_by_problem(records: Iterable[dict[str, Any]]):

@@ -91,7 +91,7 @@ def margins(recs, subsets: int = 30) -> None:
 
     from ckgen import costmodel as cm
     from ckgen.ops import get_op
-    from ckgen.ops.spec import Config, Target
+    from ckgen.ops.spec import Target
     from ckgen.records import by_problem
 
     def pick(model, op, p, target, winners, ok, timed, m):
@@ -104,11 +104,7 @@ def margins(recs, subsets: int = 30) -> None:
     rows: dict[float, list[float]] = {m: [] for m in MARGINS}
     sweep_rows: list[tuple[str, dict[float, list[float]]]] = []
     for (op_name, arch, key), rs in by_problem(recs):
-        timed: dict = {}
-        for r in rs:
-            if r.get("ok"):
-                c = Config.of(r["config"])
-                timed[c] = min(timed.get(c, math.inf), float(r["time_us"]))
+        timed = cm.timed_configs(rs)
         if len(timed) < 2:
             continue
         op, target = get_op(op_name), Target.named(arch)
@@ -176,7 +172,7 @@ def main() -> int:
     from ckgen import costmodel as cm
     from ckgen import records
     from ckgen.ops import get_op
-    from ckgen.ops.spec import Config, Target
+    from ckgen.ops.spec import Target
 
     recs = records.read(records.packaged_records_path())
     try:
@@ -191,11 +187,7 @@ def main() -> int:
             op, target = get_op(r.op), Target.named("sm_90")
             p = op.problem_from_key(r.problem)
             rest = [x for x in recs if (x["op"], x["problem"]) != (r.op, r.problem)]
-            timed = {}
-            for x in recs:
-                if (x["op"], x["problem"]) == (r.op, r.problem) and x["ok"]:
-                    c = Config.of(x["config"])
-                    timed[c] = min(timed.get(c, math.inf), x["time_us"])
+            timed = cm.timed_configs(x for x in recs if (x["op"], x["problem"]) == (r.op, r.problem))
             model = cm.fit(rest)
             cands = cm.candidates(op, p, target, model.winner_configs(op),
                                   lambda c: c in timed and bool(op.validate(p, c, target)))

@@ -287,7 +287,7 @@ class CostModel:
         self._winner_configs: dict[str, list[Config]] = {}
         # per op: the recorded problems ([arch, key]), their configs, and parallel lists problem /
         # config (indices into those) / residual (flat lists: a fast load)
-        self.residuals = {k: v for k, v in (residuals or {}).items()}
+        self.residuals = dict(residuals or {})
         self.correction = {"tau": CORR_TAU, "prior": CORR_PRIOR, **(correction or {})}
         self._resid_index: dict[str, tuple[list[tuple[str, Problem]], dict[Config, list[tuple[int, float]]]]] = {}
 
@@ -361,8 +361,7 @@ class CostModel:
     def _residual_index(self, op: OpSpec) -> tuple[list[tuple[str, Problem]], dict[Config, list[tuple[int, float]]]]:
         idx = self._resid_index.get(op.name)
         if idx is None:
-            doc = self.residuals.get(op.name) or {"knobs": [], "problems": [], "configs": [], "problem": [],
-                                                   "config": [], "residual": []}
+            doc = self.residuals[op.name]  # `corrections` asks only for an op the table holds
             probs = []
             for arch, key in doc["problems"]:
                 try:
@@ -564,14 +563,11 @@ def _usable_records(records: Iterable[dict[str, Any]]) -> list[tuple[dict[str, A
 def best_configs(records: Iterable[dict[str, Any]], per_problem: int = WINNERS_PER_PROBLEM) -> dict[str, list[dict[str, Any]]]:
     """Per op, the best `per_problem` distinct configs of every recorded problem (fastest first,
     problems in order of first appearance)."""
-    groups: dict[tuple[str, str, str], dict[Config, float]] = {}
-    for r in records:
-        if r.get("ok"):
-            g = groups.setdefault((r["op"], r["arch"], r["problem"]), {})
-            c = Config.of(r["config"])
-            g[c] = min(g.get(c, math.inf), float(r["time_us"]))
     out: dict[str, list[dict[str, Any]]] = {}
-    for (op, _, _), times in groups.items():
+    for (op, _, _), recs in recmod_by_problem(records):
+        times = timed_configs(recs)
+        if not times:
+            continue
         lst = out.setdefault(op, [])
         for c in sorted(times, key=lambda c: (times[c], c.key()))[:per_problem]:
             if c.as_dict() not in lst:
@@ -909,14 +905,15 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
     if model is None:
         return None
     params = op.space.params
-    mine = [e for e in entries if e.op == op.name and e.vendor == target.vendor]
-    mine.sort(key=lambda e: (op.distance(p, op.problem_from_key(e.problem)), e.arch != target.arch, e.problem))
+    mine = sorted(((op.distance(p, op.problem_from_key(e.problem)), e) for e in entries
+                   if e.op == op.name and e.vendor == target.vendor),
+                  key=lambda de: (de[0], de[1].arch != target.arch, de[1].problem))
     extra, siblings = [], []
-    for e in mine:
+    for d, e in mine:
         c = Config.of(e.config_dict())
         if set(c.as_dict()) == set(params) and op.space.check(c):
             extra.append(c)
-            if e.arch == target.arch and op.distance(p, op.problem_from_key(e.problem)) <= NEAREST_DISTANCE + 1e-9:
+            if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
     got = model.choose(op, p, target, lambda c: bool(usable(c)), extra)
     if got is None:

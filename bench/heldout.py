@@ -146,7 +146,8 @@ def _first(v: Any) -> Any:
 
 
 def _tune_own_best(cases, args, info, log) -> dict[tuple[str, str], Any]:
-    """Tune every case not yet in --tuned-db (within --tune-budget seconds); {(op, key): entry}."""
+    """Tune every case not yet in --tuned-db, or whose entry there is stale (its template changed since),
+    within --tune-budget seconds; {(op, key): entry}."""
     from ckgen import db as dbmod
     from ckgen.tune import db_entry, tune_problem
 
@@ -155,8 +156,9 @@ def _tune_own_best(cases, args, info, log) -> dict[tuple[str, str], Any]:
     for case in cases:
         op, p = problem_of(case)
         have = dbmod.InstanceDB.load(path) if path.is_file() else None
-        if have is not None and have.lookup(op.name, info.target.arch, p.key()) is not None:
-            continue
+        e = have.lookup(op.name, info.target.arch, p.key()) if have is not None else None
+        if e is not None and dbmod.entry_verified(e):
+            continue  # tuned with today's templates (a stale entry is tuned again, and replaced)
         if time.monotonic() - t0 > args.tune_budget:
             log(f"tune budget ({args.tune_budget:.0f} s) spent: {op.name} {p.key()} not tuned")
             continue

@@ -293,14 +293,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _untuned(op: Any, args: argparse.Namespace, problems: list[Any], arch: str) -> list[Any]:
-    """`--skip-tuned`: the problems without an entry for this arch in the DB in effect (the user DB
-    over the shipped one), so that a grid tuned over several runs (each cut by --total-timeout)
-    goes on where the last one stopped."""
+    """`--skip-tuned`: the problems without a usable entry for this arch in the DB in effect (the
+    user DB over the shipped one), so that a grid tuned over several runs (each cut by
+    --total-timeout) goes on where the last one stopped. A stale entry (its template changed since
+    it was tuned: `db.entry_verified`) does not count: the dispatcher would not use it either."""
+    from .db import entry_verified
+
     layered = _layers(args)[3]
-    todo = [p for p in problems if layered.lookup(op.name, arch, p.key()) is None]
+    todo, stale = [], 0
+    for p in problems:
+        e = layered.lookup(op.name, arch, p.key())
+        if e is None or not entry_verified(e):
+            todo.append(p)
+            stale += e is not None
     _info(resolve(args.format, console)).print(
         f"--skip-tuned: {len(problems) - len(todo)} of {plural(len(problems), 'problem')} already tuned for {arch}; "
-        + (f"tuning {len(todo)}" if todo else "nothing to tune"), markup=False)
+        + (f"tuning {len(todo)}" if todo else "nothing to tune")
+        + (f" ({stale} with a stale entry: its template changed since it was tuned)" if stale else ""), markup=False)
     return todo
 
 

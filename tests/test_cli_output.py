@@ -458,3 +458,11 @@ def test_tune_skip_tuned_goes_on_where_the_last_run_stopped(run, fake_gpu, tmp_p
     assert code == 0 and "nothing to tune" in err and out == ""
     code, out, err = run(*argv)  # without the flag: tuned again
     assert code == 0 and len(json.loads(out)["results"]) == 1
+    # A stale entry (rendered from a template that has changed since) does not count as tuned.
+    stale_db = tmp_path / "stale.yaml"
+    dbmod.save_entries(stale_db, [dataclasses.replace(pool_entry(0, "sm_90"), source_sha256="0" * 64)])
+    argv[argv.index(str(db))] = str(stale_db)
+    code, out, err = run(*argv, "--skip-tuned")
+    assert code == 0, err
+    assert "0 of 1 problem already tuned for sm_90; tuning 1 (1 with a stale entry" in err
+    assert [r["problem"] for r in json.loads(out)["results"]] == [pool_entry(0).problem]

@@ -223,16 +223,32 @@ ckgen_maxpool2d_fwd_bf16_nhwc_k3s1p1d1_t256_v16_ow2_oh1_m1(CK_POOL_PARAMS) {
 #pragma unroll
       for (int e = 0; e < NW; ++e) m[a][b][e] = CK_NEG_INF_WORD;
 
+  // NHWC: a footprint row's FC vectors are loaded first, branch-free (a tap outside the input
+  // reads the padding value: -inf never wins a max, 0 adds nothing to a sum), so their loads are
+  // in flight together and the compiler may start the next row's before this row's taps; a
+  // bounds test per load would end a basic block at each one and serialize the loads.
+  ck_raw_t pad_raw;
+  {
+    ck_vec_u u;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) u.s[e] = ck_from_f(ck_neg_inf());
+    pad_raw = u.raw;
+  }
 #pragma unroll
   for (int r = 0; r < FR; ++r) {
     const int h = h0 + r;
-    if ((unsigned)h >= (unsigned)H) continue;  // padding: -inf for max, nothing for avg
+    const bool hin = (unsigned)h < (unsigned)H;
+    ck_raw_t rowv[FC];
 #pragma unroll
     for (int c = 0; c < FC; ++c) {
       const int w = w0 + c;
-      if ((unsigned)w >= (unsigned)W) continue;
+      rowv[c] = hin && (unsigned)w < (unsigned)W ? ck_load_raw(x + xat(h, w)) : pad_raw;
+    }
+#pragma unroll
+    for (int c = 0; c < FC; ++c) {
+      const int w = w0 + c;
       ck_words_u v;
-      v.raw = ck_load_raw(x + xat(h, w));
+      v.raw = rowv[c];
 #pragma unroll
       for (int a = 0; a < TH; ++a) {
         const int i = r - a * SH;  // kernel row of (r, c) in output a's window (compile-time)

@@ -13,6 +13,13 @@ from .numeric import from_storage, round_to, to_storage
 from .spec import OpSpec, Problem, check_choice, check_int, full_shapes
 
 ACTIVATIONS = ("none", "swish")
+# slice_in=reload sums each thread's values into fp32 accumulators one after another (NHWC: one
+# per channel, one add per pixel row it walks; NCHW: one per thread). Past a few thousand adds
+# the rounding of that running sum shows in the mean: on the H100 sweep of 1x256x256x256 bf16
+# NHWC the configs with 32,768 and 65,536 serial adds gave a mean 1.18x and 2.27x over its
+# tolerance (1e-4 + 1e-5|mean|); the float32 emulation (tests/test_groupnorm_accuracy.py) gives
+# 0.67x at 16,384 and 0.23x at 8,192. So no config makes a thread add more than this.
+MAX_SERIAL_ADDS = 8192
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,9 @@ class GroupNormFwd(GroupNormOp):
             share = -(-nvec // split)
             if config["slice_in"] == "regs" and share > threads * items:
                 return Support.no(f"slice share of {share} vectors exceeds threads*items={threads * items}")
+            if config["slice_in"] == "reload" and -(-share // threads) * vec > MAX_SERIAL_ADDS:
+                return Support.no(f"each thread would sum {-(-share // threads) * vec} values serially in fp32 "
+                                  f"(over {MAX_SERIAL_ADDS}: the mean loses accuracy); more threads or a split")
             if split > 1 and share < threads // 4:
                 return Support.no(f"a split of {split} leaves each block {share} vectors for {threads} threads")
         else:
@@ -183,6 +193,9 @@ class GroupNormFwd(GroupNormOp):
             share = -(-p.HW // split)
             if config["slice_in"] == "regs" and share > rows * items:
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
+            if config["slice_in"] == "reload" and -(-share // rows) > MAX_SERIAL_ADDS:
+                return Support.no(f"each thread would sum {-(-share // rows)} pixels of a channel serially in fp32 "
+                                  f"(over {MAX_SERIAL_ADDS}: the mean loses accuracy); more rows or a split")
             if split > 1 and share < rows:
                 return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
         tiles = p.N * (p.G // gpb) * split

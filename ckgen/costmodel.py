@@ -638,9 +638,29 @@ def _residuals_ok(v: Any) -> bool:
             and all(isinstance(k, str) for k in v["knobs"])
             and all(isinstance(q, list) and len(q) == 2 and all(isinstance(x, str) for x in q) for q in v["problems"])
             and all(isinstance(c, list) and len(c) == n_k for c in v["configs"])
-            and all(type(i) is int and 0 <= i < n_p for i in v["problem"])
-            and all(type(i) is int and 0 <= i < n_c for i in v["config"])
-            and all(isinstance(x, (int, float)) and math.isfinite(x) for x in v["residual"]))
+            and _indices_ok(v["problem"], n_p) and _indices_ok(v["config"], n_c)
+            and _finite_numbers(v["residual"]))
+
+
+def _indices_ok(xs: list, n: int) -> bool:
+    """Every item an int in [0, n) (vectorised: the tables hold ~60k entries, loaded per process)."""
+    if not xs:
+        return True
+    try:
+        a = np.asarray(xs)
+    except (ValueError, TypeError):
+        return False
+    return a.ndim == 1 and a.dtype.kind == "i" and int(a.min()) >= 0 and int(a.max()) < n
+
+
+def _finite_numbers(xs: list) -> bool:
+    if not xs:
+        return True
+    try:
+        a = np.asarray(xs)
+    except (ValueError, TypeError):
+        return False
+    return a.ndim == 1 and a.dtype.kind in "if" and bool(np.isfinite(a).all())
 
 
 def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.ndarray) -> dict[str, dict[str, Any]]:

@@ -642,25 +642,25 @@ def _residuals_ok(v: Any) -> bool:
             and _finite_numbers(v["residual"]))
 
 
-def _indices_ok(xs: list, n: int) -> bool:
-    """Every item an int in [0, n) (vectorised: the tables hold ~60k entries, loaded per process)."""
-    if not xs:
-        return True
+def _vector(xs: list, kinds: str) -> np.ndarray | None:
+    """`xs` as a 1-D array whose dtype kind is in `kinds` (vectorised checks: the residual tables
+    hold ~60k entries), else None."""
     try:
-        a = np.asarray(xs)
+        a = np.asarray(xs if xs else [0])
     except (ValueError, TypeError):
-        return False
-    return a.ndim == 1 and a.dtype.kind == "i" and int(a.min()) >= 0 and int(a.max()) < n
+        return None
+    return a if a.ndim == 1 and a.dtype.kind in kinds else None
+
+
+def _indices_ok(xs: list, n: int) -> bool:
+    """Every item an int in [0, n)."""
+    a = _vector(xs, "i")
+    return a is not None and (not xs or (int(a.min()) >= 0 and int(a.max()) < n))
 
 
 def _finite_numbers(xs: list) -> bool:
-    if not xs:
-        return True
-    try:
-        a = np.asarray(xs)
-    except (ValueError, TypeError):
-        return False
-    return a.ndim == 1 and a.dtype.kind in "if" and bool(np.isfinite(a).all())
+    a = _vector(xs, "if")
+    return a is not None and bool(np.isfinite(a).all())
 
 
 def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.ndarray) -> dict[str, dict[str, Any]]:

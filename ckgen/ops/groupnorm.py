@@ -171,8 +171,9 @@ class GroupNormFwd(GroupNormOp):
             share = -(-nvec // split)
             if config["slice_in"] == "regs" and share > threads * items:
                 return Support.no(f"slice share of {share} vectors exceeds threads*items={threads * items}")
-            if config["slice_in"] == "reload" and -(-share // threads) * vec > MAX_SERIAL_ADDS:
-                return Support.no(f"each thread would sum {-(-share // threads) * vec} values serially in fp32 "
+            serial = -(-share // threads) * vec  # values one thread adds into its accumulator (reload)
+            if config["slice_in"] == "reload" and serial > MAX_SERIAL_ADDS:
+                return Support.no(f"each thread would sum {serial} values serially in fp32 "
                                   f"(over {MAX_SERIAL_ADDS}: the mean loses accuracy); more threads or a split")
             if split > 1 and share < threads // 4:
                 return Support.no(f"a split of {split} leaves each block {share} vectors for {threads} threads")
@@ -193,8 +194,9 @@ class GroupNormFwd(GroupNormOp):
             share = -(-p.HW // split)
             if config["slice_in"] == "regs" and share > rows * items:
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
-            if config["slice_in"] == "reload" and -(-share // rows) > MAX_SERIAL_ADDS:
-                return Support.no(f"each thread would sum {-(-share // rows)} pixels of a channel serially in fp32 "
+            serial = -(-share // rows)  # pixel rows one thread adds into each channel's accumulator (reload)
+            if config["slice_in"] == "reload" and serial > MAX_SERIAL_ADDS:
+                return Support.no(f"each thread would sum {serial} pixels of a channel serially in fp32 "
                                   f"(over {MAX_SERIAL_ADDS}: the mean loses accuracy); more rows or a split")
             if split > 1 and share < rows:
                 return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")

@@ -877,21 +877,31 @@ def test_not_served_answers_a_repeated_signature_from_its_cache(monkeypatch):
     O._served.clear()
 
 
-def test_pool_prelude_cache_keeps_the_answers_of_the_checks():
+def test_pool_call_cache_keeps_the_answers_of_the_checks():
     """functional's pooling checks, cached per signature, give what the checks give: for int and
-    tuple arguments (cached), list arguments (checked every call), a CPU tensor with and without
-    the CPU test route, and arguments PyTorch rejects."""
+    tuple arguments (cached: the same Call again), list arguments (checked every call), a CPU
+    tensor with and without the CPU test route, and arguments PyTorch rejects."""
     x = torch.empty(2, 8, 9, 9).contiguous(memory_format=CL)
     route = CF._ROUTE_CPU
+
+    def pairs(c):
+        return c.why, c.k, c.s, c.p, c.d
+
     try:
         CF._ROUTE_CPU = True
+        first = CF._pool_call("max", x, 3, None, 1, 1, False)
         for _ in range(2):
-            assert CF._pool_prelude("max", x, 3, None, 1, 1, False) == (None, (3, 3), (3, 3), (1, 1), (1, 1))
-            assert CF._pool_prelude("max", x, [3, 2], (2, 1), [1, 0], 1, True) == \
-                (None, (3, 2), (2, 1), (1, 0), (1, 1))
-            assert "PyTorch rejects" in CF._pool_prelude("max", x, 2, 2, 2, 1, False)[0]
-            assert CF._pool_prelude("avg", x, 2, 2, 0, 1, False)[0] is None
+            c = CF._pool_call("max", x, 3, None, 1, 1, False)
+            assert c is first and pairs(c) == (None, (3, 3), (3, 3), (1, 1), (1, 1))
+            assert c.fmt == CL and c.ceil is False
+            listed = CF._pool_call("max", x, [3, 2], (2, 1), [1, 0], 1, True)
+            assert pairs(listed) == (None, (3, 2), (2, 1), (1, 0), (1, 1)) and listed.ceil is True
+            assert listed is not CF._pool_call("max", x, [3, 2], (2, 1), [1, 0], 1, True)  # not cached
+            assert "PyTorch rejects" in CF._pool_call("max", x, 2, 2, 2, 1, False).why
+            assert CF._pool_call("avg", x, 2, 2, 0, 1, False).why is None
+            assert "divisor_override=0" in CF._pool_call("avg", x, 2, 2, 0, 1, False, True, 0).why
+            assert CF._pool_call("avg", x, 2, 2, 0, 1, False, False, 3).div == 3
         CF._ROUTE_CPU = False
-        assert "CPU tensor" in CF._pool_prelude("avg", x, 2, 2, 0, 1, False)[0]
+        assert "CPU tensor" in CF._pool_call("avg", x, 2, 2, 0, 1, False).why
     finally:
         CF._ROUTE_CPU = route

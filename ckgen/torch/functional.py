@@ -22,7 +22,7 @@ falls back inside the custom op, at run time, logged in eager and compiled runs 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +91,39 @@ def group_norm_why_not(x: Tensor, num_groups: int, weight: Optional[Tensor], bia
     return None
 
 
+_GN_SIG: dict = {}
+
+
+def _param_sig(t: Optional[Tensor]) -> Any:
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _gn_call(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
+             activation: Optional[str]) -> eager.Call:
+    """The checks of a GroupNorm call, answered from a cache keyed by everything they read (x's
+    and the parameters' shapes, strides, dtypes and devices, num_groups, activation): a repeated
+    eager call (every training step) skips them. Under torch.compile they are traced as they are."""
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = (x.shape, x.stride(), x.dtype, x.device, num_groups, activation, _param_sig(weight),
+                   _param_sig(bias), _ROUTE_CPU)
+            hit = _GN_SIG.get(key)
+        except TypeError:  # an unhashable argument: checked every call
+            key = hit = None
+        if hit is not None:
+            return hit
+    why = group_norm_why_not(x, num_groups, weight, bias, activation)
+    fix = any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in (weight, bias))
+    call = eager.Call(why, groups=num_groups, act="swish" if activation == "swish" else None, fix_params=fix,
+                      fmt=None if why else ops.memory_format_of(x))
+    if key is not None:
+        if len(_GN_SIG) > 4096:
+            _GN_SIG.clear()
+        _GN_SIG[key] = call
+    return call
+
+
 def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                eps: float = 1e-5, activation: Optional[str] = None) -> Tensor:
     """F.group_norm(x, num_groups, weight, bias, eps), then F.silu with activation="swish".
@@ -98,23 +131,24 @@ def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias
     weight/bias of another dtype than x (fp32 parameters with a bf16 input, as under autocast)
     are cast to x's dtype, and the output has x's dtype; the kernels compute the statistics in
     float32 either way. (nn.GroupNorm under autocast computes and returns float32.)"""
-    why = group_norm_why_not(x, num_groups, weight, bias, activation)
-    if why is not None:
-        _fallback("group_norm" if activation in (None, "none") else "group_norm+silu", why)
+    call = _gn_call(x, num_groups, weight, bias, activation)
+    if call.why is not None:
+        _fallback("group_norm" if activation in (None, "none") else "group_norm+silu", call.why)
         y = F.group_norm(x, num_groups, weight, bias, eps)
         return F.silu(y) if activation == "swish" else y
-    w = weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
-    b = bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
-    if w is not None and not w.is_contiguous():
-        w = w.contiguous()
-    if b is not None and not b.is_contiguous():
-        b = b.contiguous()
-    act = "swish" if activation == "swish" else "none"
+    w, b = weight, bias
+    if call.fix_params:
+        w = w if w is None or w.dtype == x.dtype else w.to(x.dtype)
+        b = b if b is None or b.dtype == x.dtype else b.to(x.dtype)
+        if w is not None and not w.is_contiguous():
+            w = w.contiguous()
+        if b is not None and not b.is_contiguous():
+            b = b.contiguous()
     if eager.usable(x):  # eager: the kernels without the custom op's per-call glue (ckgen/torch/eager.py)
         if _needs_grad(x, w, b):
-            return eager.GroupNormFn.apply(x, w, b, num_groups, float(eps), act)
-        return ops.cuda_groupnorm_fwd(x, w, b, num_groups, float(eps), act)[0]
-    y, _, _ = torch.ops.ckgen.groupnorm_fwd(x, w, b, num_groups, float(eps), act)
+            return eager.GroupNormFn.apply(x, w, b, call, float(eps))
+        return eager.groupnorm_forward(x, w, b, call, float(eps))[0]
+    y, _, _ = torch.ops.ckgen.groupnorm_fwd(x, w, b, num_groups, float(eps), call.act or "none")
     return y
 
 
@@ -140,17 +174,18 @@ def _pool_args_why_not(x: Tensor, k, s, p, d, ceil_mode: bool) -> Optional[str]:
 _POOL_SIG: dict = {}
 
 
-def _pool_prelude(kind: str, x: Tensor, kernel_size, stride, padding, dilation, ceil_mode):
-    """(why not, kernel, stride, padding, dilation as int pairs) of a pooling call: why is None
-    when ckgen's ops take it. Eager calls with hashable arguments (ints, tuples) are answered from
-    a cache keyed by x's shape, strides, dtype and device and the arguments as given: a repeated
-    call (every training step) skips the checks. Under torch.compile the checks are traced as
-    they are (Dynamo guards on what they read)."""
+def _pool_call(kind: str, x: Tensor, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad=True,
+               divisor_override=None) -> eager.Call:
+    """The checks of a pooling call and its arguments as int pairs (an `eager.Call`; why is None
+    when ckgen's ops take it). Eager calls with hashable arguments (ints, tuples) are answered
+    from a cache keyed by x's shape, strides, dtype and device and the arguments as given: a
+    repeated call (every training step) skips the checks. Under torch.compile the checks are
+    traced as they are (Dynamo guards on what they read)."""
     key = None
     if not torch.compiler.is_compiling():
         try:
             key = (kind, x.shape, x.stride(), x.dtype, x.device, kernel_size, stride, padding, dilation, ceil_mode,
-                   _ROUTE_CPU)
+                   count_include_pad, divisor_override, _ROUTE_CPU)
             hit = _POOL_SIG.get(key)
         except TypeError:  # a list argument: checked every call
             key = hit = None
@@ -162,12 +197,16 @@ def _pool_prelude(kind: str, x: Tensor, kernel_size, stride, padding, dilation, 
     p, d = _int_pair(padding, "padding"), _int_pair(dilation, "dilation")
     if why is None:
         why = _pool_args_why_not(x, k, s, p, d, bool(ceil_mode))
-    out = (why, k, s, p, d)
+    if why is None and divisor_override is not None and (not isinstance(divisor_override, int)
+                                                         or isinstance(divisor_override, bool) or divisor_override < 1):
+        why = f"divisor_override={divisor_override!r} (PyTorch rejects it)"
+    call = eager.Call(why, k=k, s=s, p=p, d=d, ceil=bool(ceil_mode), cip=bool(count_include_pad),
+                      div=divisor_override, fmt=None if why else ops.memory_format_of(x))
     if key is not None:
         if len(_POOL_SIG) > 4096:
             _POOL_SIG.clear()
-        _POOL_SIG[key] = out
-    return out
+        _POOL_SIG[key] = call
+    return call
 
 
 def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
@@ -179,16 +218,16 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
     gradient (inference, torch.no_grad) no indices are written unless asked for."""
     if indices not in ("stored", "recompute"):
         raise ValueError(f"indices: expected 'stored' or 'recompute', got {indices!r}")
-    why, k, s, p, d = _pool_prelude("max", x, kernel_size, stride, padding, dilation, ceil_mode)
-    if why is not None:
-        _fallback("max_pool2d", why)
+    call = _pool_call("max", x, kernel_size, stride, padding, dilation, ceil_mode)
+    if call.why is not None:
+        _fallback("max_pool2d", call.why)
         return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                             return_indices=return_indices)
-    args = (x, list(k), list(s), list(p), list(d), bool(ceil_mode))
     if not return_indices and eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py)
         if _needs_grad(x):
-            return eager.MaxPoolFn.apply(*args, indices == "stored")
-        return ops.cuda_maxpool2d_fwd(*args)
+            return eager.MaxPoolFn.apply(x, call, indices == "stored")
+        return eager.maxpool_forward(x, call, False)
+    args = (x, list(call.k), list(call.s), list(call.p), list(call.d), call.ceil)
     if return_indices:
         return torch.ops.ckgen.maxpool2d_fwd_with_indices(*args)
     if indices == "stored" and _needs_grad(x):
@@ -199,17 +238,14 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False,
                count_include_pad: bool = True, divisor_override: Optional[int] = None) -> Tensor:
     """F.avg_pool2d with ckgen (the backward saves nothing)."""
-    why, k, s, p, _ = _pool_prelude("avg", x, kernel_size, stride, padding, 1, ceil_mode)
-    if why is None and divisor_override is not None and (not isinstance(divisor_override, int)
-                                                         or isinstance(divisor_override, bool) or divisor_override < 1):
-        why = f"divisor_override={divisor_override!r} (PyTorch rejects it)"
-    if why is not None:
-        _fallback("avg_pool2d", why)
+    call = _pool_call("avg", x, kernel_size, stride, padding, 1, ceil_mode, count_include_pad, divisor_override)
+    if call.why is not None:
+        _fallback("avg_pool2d", call.why)
         return F.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    args = (x, list(k), list(s), list(p), bool(ceil_mode), bool(count_include_pad), divisor_override)
     if eager.usable(x):  # eager: no custom-op glue (ckgen/torch/eager.py)
-        return eager.AvgPoolFn.apply(*args) if _needs_grad(x) else ops.cuda_avgpool2d_fwd(*args)
-    return torch.ops.ckgen.avgpool2d_fwd(*args)
+        return eager.AvgPoolFn.apply(x, call) if _needs_grad(x) else eager.avgpool_forward(x, call)
+    return torch.ops.ckgen.avgpool2d_fwd(x, list(call.k), list(call.s), list(call.p), call.ceil, call.cip,
+                                         call.div)
 
 
 __all__ = ["avg_pool2d", "group_norm", "group_norm_why_not", "max_pool2d"]

@@ -75,7 +75,7 @@ class _Op:
     def __init__(self, qualname: str, fn) -> None:
         ns, name = qualname.split("::")
         assert ns == NAMESPACE, qualname
-        self._name, self._short = qualname, name
+        self._name, self._short, self._cuda = qualname, name, fn
         _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
         _LIB.impl(name, fn, "CUDA")
         self.packet = getattr(torch.ops.ckgen, name)
@@ -95,7 +95,38 @@ class _Op:
         return fn
 
     def register_autograd(self, backward, setup_context=None) -> None:
-        torch.library.register_autograd(self._name, backward, setup_context=setup_context, lib=_LIB)
+        """torch.library.register_autograd's formula, behind a leaner Autograd-key kernel.
+
+        Every call of the op, also in compiled graphs (where AOTAutograd runs the ops with grad
+        disabled), enters the Autograd kernel. torch's generic one builds a metadata object and
+        redispatches through Python on every call; this one hands calls that need a graph to
+        torch's kernel (`make_autograd_impl`, the same formula and setup), and runs the others
+        directly: the CUDA implementation when the CUDA kernel is what the dispatcher would run
+        next (no fake tensor, no mode, no other key in between), else the redispatch torch's
+        kernel does. Measured on CPU (torch 2.13, a tiny max pool backward): the generic kernel
+        costs 30 us a call over the computation, this one 20 us through the redispatch; the
+        CUDA shortcut saves that redispatch too (about 6 us there). If torch's private helper
+        is missing (another torch version), torch.library.register_autograd is used as is."""
+        try:
+            from torch._library import autograd as _tla
+
+            generic = _tla.make_autograd_impl(self.default, _tla.Info(backward, setup_context))
+        except (ImportError, AttributeError, TypeError):
+            torch.library.register_autograd(self._name, backward, setup_context=setup_context, lib=_LIB)
+            return
+        op, cuda_impl = self.default, self._cuda
+        below_autograd, cuda_key, C = torch._C._after_autograd_keyset, torch._C.DispatchKey.CUDA, torch._C
+
+        def autograd_kernel(keyset, *args, **kwargs):
+            if C.is_grad_enabled() and C._any_requires_grad(*args):
+                return generic(keyset, *args, **kwargs)
+            below = keyset & below_autograd
+            if below.highestPriorityTypeId() == cuda_key:
+                return cuda_impl(*args, **kwargs)
+            with C._AutoDispatchBelowAutograd():
+                return op.redispatch(below, *args, **kwargs)
+
+        _LIB.impl(self._short, autograd_kernel, "Autograd", with_keyset=True)
 
 
 # ---------------------------------------------------------------------------------------------

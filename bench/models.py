@@ -460,7 +460,7 @@ def write_report(rows: list[Row], args, meta: dict, out: Path) -> Path:
              f"`{meta['command']}`", "",
              "ms per step: host-inclusive (wall clock, synchronized; what a training loop sees) / GPU-only "
              "(sum of device kernel times, torch.profiler). train = forward + backward of a mean loss; infer = "
-             "forward under no_grad. ck_* = after `ckgen.torch.convert` (GroupNorm+SiLU fused). "
+             "forward under no_grad. ck_* = after `ckgen.torch.convert` (GroupNorm+SiLU and ReLU+MaxPool2d fused). "
              "Columns: " + ", ".join(cols) + ".", ""]
     lines += ["## Host-inclusive ms per step", "",
               "| row | " + " | ".join(cols) + " | ck_eager vs eager | ck_compile vs compile |",

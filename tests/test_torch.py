@@ -627,6 +627,73 @@ def test_convert_replaces_fuses_and_reports(route_cpu):
     assert not again.replaced and any(e.reason == "already a ckgen module" for e in again.left)
 
 
+def _relu_pool_stack(relu2=None):
+    torch.manual_seed(0)
+    relu2 = relu2 or nn.ReLU()
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 8, 3, padding=1), relu2, nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+                         nn.Flatten(), nn.Linear(8 * 4 * 4, 4))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("indices", ["stored", "recompute"])
+@pytest.mark.parametrize("path", ["custom_ops", "eager_functions"])
+def test_convert_fuses_relu_then_maxpool_with_the_same_values_and_gradients(layout, indices, path, monkeypatch):
+    """nn.ReLU + nn.MaxPool2d in an nn.Sequential -> Identity + ReLUMaxPool2d (pool first, then
+    the ReLU): outputs and every gradient equal the nn model's, also where whole windows are
+    negative (a ReLU'd window of zeros) and with ceil_mode and padding."""
+    from ckgen.torch import eager
+
+    monkeypatch.setattr(CF, "_ROUTE_CPU", True)
+    monkeypatch.setattr(eager, "_CPU_FOR_TESTS", path == "eager_functions")
+    monkeypatch.setenv("CKGEN_QUIET", "1")
+    ref = _relu_pool_stack()
+    model = copy.deepcopy(ref)
+    report = ct.convert(model, max_pool_indices=indices)
+    assert report.counts() == {"ReLU -> Identity": 2, "MaxPool2d -> ReLUMaxPool2d": 2}, str(report)
+    assert type(model[1]) is type(model[4]) is nn.Identity
+    assert type(model[2]) is type(model[5]) is ct.ReLUMaxPool2d and model[5].ceil_mode and model[5].indices == indices
+    assert "pools first" in {e.name: e.reason for e in report.replaced}["2"]
+    assert list(model.state_dict()) == list(ref.state_dict())
+    x = (_x((4, 3, 12, 12), layout=layout, seed=2) - 0.5).requires_grad_(True)  # many negative windows
+    xr = x.detach().clone().requires_grad_(True)
+    y, yr = model(x), ref(xr)
+    if path == "eager_functions":
+        assert "MaxPoolFnBackward" in str(model[2:6](model[:2](x)).grad_fn.next_functions)
+    torch.testing.assert_close(y, yr)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad)
+    for (n, p), (_, pr) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, msg=n)
+    h = model[:3](x.detach())  # the pooled block's output: relu'd
+    assert (h >= 0).all() and (h == 0).any()
+
+
+def test_convert_leaves_relu_maxpool_it_cannot_fuse():
+    shared = nn.ReLU()
+    model = _relu_pool_stack(relu2=shared)
+    model.append(shared)
+    model.append(nn.MaxPool2d(1))
+    hooked = nn.Sequential(nn.ReLU(), nn.MaxPool2d(2))
+    hooked[0].register_forward_hook(lambda *a: None)
+    with_idx = nn.Sequential(nn.ReLU(), nn.MaxPool2d(2, return_indices=True))
+    left = {}
+    for m in (model, hooked, with_idx):
+        left.update({(id(m), e.name): e.reason for e in ct.convert(m).left})
+    assert type(model[2]) is ct.ReLUMaxPool2d, "the unshared pair is fused"
+    assert type(model[4]) is nn.ReLU and type(model[5]) is ct.MaxPool2d
+    assert "more than one place" in left[(id(model), "4")]
+    assert type(hooked[0]) is nn.ReLU and "has hooks" in left[(id(hooked), "0")]
+    assert type(with_idx[1]) is ct.MaxPool2d and "returns indices" in left[(id(with_idx), "0")]
+    only_pool = nn.Sequential(nn.ReLU(), nn.MaxPool2d(2))
+    ct.convert(only_pool, ops=["maxpool2d"])
+    assert type(only_pool[0]) is nn.ReLU and type(only_pool[1]) is ct.MaxPool2d, "no fusion without 'relu_maxpool2d'"
+    with pytest.raises(ValueError, match="return_indices"):
+        ct.ReLUMaxPool2d(2, return_indices=True)
+
+
 def test_convert_ops_subset_and_errors():
     model = nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU(), nn.MaxPool2d(2), nn.AvgPool2d(2))
     report = ct.convert(model, ops=["maxpool2d"])

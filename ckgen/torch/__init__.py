@@ -2,13 +2,14 @@
 
     import ckgen.torch as ct
 
-    report = ct.convert(model)            # nn.GroupNorm (+ SiLU), nn.MaxPool2d, nn.AvgPool2d -> ckgen
+    report = ct.convert(model)            # nn.GroupNorm (+ SiLU), (nn.ReLU +) nn.MaxPool2d, nn.AvgPool2d -> ckgen
     print(report)
     model = torch.compile(model)          # the ops trace (fullgraph=True) and run in CUDA graphs
 
     gn = ct.GroupNorm(32, 320)            # nn.GroupNorm's arguments and state_dict
     gns = ct.GroupNormSwish(32, 320)      # GroupNorm then SiLU, one kernel each way
     mp = ct.MaxPool2d(3, 2, 1, indices="recompute")
+    rmp = ct.ReLUMaxPool2d(2)             # nn.ReLU then nn.MaxPool2d(2), pooled first
     y, mean, rstd = torch.ops.ckgen.groupnorm_fwd(x, gamma, beta, 32, 1e-5, "swish")
 
 PyTorch is an optional dependency (`pip install ckgen[torch]`); `import ckgen` never imports
@@ -24,9 +25,9 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 from . import functional, ops
 from .convert import OPS, ConvertReport, Entry, FusePattern, convert
 from .functional import avg_pool2d, group_norm, max_pool2d
-from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d
+from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
 from .ops import DoubleBackwardError, fallbacks, reset_fallbacks
 
 __all__ = ["OPS", "AvgPool2d", "ConvertReport", "DoubleBackwardError", "Entry", "FusePattern", "GroupNorm",
            "GroupNormSwish", "MaxPool2d", "avg_pool2d", "convert", "fallbacks", "functional", "group_norm",
-           "max_pool2d", "ops", "reset_fallbacks"]
+           "max_pool2d", "ops", "ReLUMaxPool2d", "reset_fallbacks"]

@@ -6,6 +6,12 @@ place, fuse GroupNorm + SiLU where the structure shows it, and say what was done
     report = ckgen.torch.convert(unet, patterns=[FusePattern(ResBlock, norm="norm1", act="act1")])
     print(report)
 
+Fusion (op "relu_maxpool2d"): an nn.ReLU directly followed by an nn.MaxPool2d (return_indices=False)
+inside an nn.Sequential becomes an nn.Identity and a ReLUMaxPool2d, which pools first and applies
+the ReLU to the pooled output (the same values and gradients: ReLU is monotonic), so the
+full-size ReLU pass and its backward disappear (VGG's features, any conv-ReLU-pool stack). Same
+conditions as below: not a module used in more than one place, no hooks on the ReLU.
+
 Fusion (op "groupnorm_swish"): a GroupNorm directly followed by an nn.SiLU inside an
 nn.Sequential, or a (norm, act) pair of a block named by a `FusePattern`, becomes a
 GroupNormSwish and the SiLU an nn.Identity: indices and attribute names stay, so the
@@ -22,9 +28,9 @@ from typing import Callable, Iterable, Optional, Union
 
 from torch import nn
 
-from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d
+from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d, ReLUMaxPool2d, _carry_over
 
-OPS = ("groupnorm", "groupnorm_swish", "maxpool2d", "avgpool2d")
+OPS = ("groupnorm", "groupnorm_swish", "maxpool2d", "avgpool2d", "relu_maxpool2d")
 _CKGEN = (GroupNorm, MaxPool2d, AvgPool2d)
 
 
@@ -115,7 +121,7 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
     """Replace model's nn.GroupNorm / nn.MaxPool2d / nn.AvgPool2d with ckgen's modules, in place.
 
     ops: which of "groupnorm", "groupnorm_swish" (the GroupNorm + SiLU fusion), "maxpool2d",
-    "avgpool2d" to apply (default: all). patterns: FusePatterns for blocks whose GroupNorm + SiLU
+    "avgpool2d", "relu_maxpool2d" (the ReLU + MaxPool2d fusion) to apply (default: all). patterns: FusePatterns for blocks whose GroupNorm + SiLU
     are not consecutive in an nn.Sequential. max_pool_indices: the MaxPool2d `indices` option
     ("stored" or "recompute"). Returns a ConvertReport; the model itself is changed in place."""
     want = set(OPS if ops is None else ops)
@@ -150,11 +156,37 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
         report._add(True, act_path, act, "Identity", f"fused into {path}")
         done.update((id(gn), id(act), id(new_gn), id(new_act)))
 
-    # 1. GroupNorm + SiLU: consecutive in an nn.Sequential, then the user's block patterns.
+    def fuse_relu_pool(relu_path: str, relu: nn.Module, pool_path: str, pool: nn.Module) -> None:
+        why = None
+        if uses[id(relu)] > 1 or uses[id(pool)] > 1:
+            why = "the ReLU or the MaxPool2d is used in more than one place"
+        elif any(getattr(relu, h, None) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")):
+            why = "the ReLU has hooks"
+        elif pool.return_indices:
+            why = "the MaxPool2d returns indices (those of relu(x) can differ)"
+        if why:
+            report._add(False, relu_path, relu, "", f"not fused with {pool_path}: {why}")
+            done.add(id(relu))
+            return
+        new_relu, new_pool = nn.Identity(), _carry_over(pool, ReLUMaxPool2d(
+            pool.kernel_size, pool.stride, pool.padding, pool.dilation, False, pool.ceil_mode, indices=max_pool_indices))
+        _set(model, relu_path, new_relu)
+        _set(model, pool_path, new_pool)
+        report._add(True, relu_path, relu, "Identity", f"fused into {pool_path}")
+        report._add(True, pool_path, pool, "ReLUMaxPool2d",
+                    f"fused with the ReLU {relu_path} (consecutive in an nn.Sequential): pools first")
+        done.update((id(relu), id(pool), id(new_relu), id(new_pool)))
+
+    # 1. GroupNorm + SiLU (and ReLU + MaxPool2d): consecutive in an nn.Sequential, then the
+    # user's block patterns.
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Sequential):
             kids = list(m._modules.items())
             for (ka, a), (kb, b) in zip(kids, kids[1:]):
+                if ("relu_maxpool2d" in want and type(a) is nn.ReLU and type(b) is nn.MaxPool2d
+                        and id(a) not in done and id(b) not in done):
+                    pre = f"{name}." if name else ""
+                    fuse_relu_pool(pre + ka, a, pre + kb, b)
                 if (isinstance(a, nn.GroupNorm) and not isinstance(a, GroupNormSwish) and type(b) is nn.SiLU
                         and id(a) not in done and id(b) not in done):
                     pre = f"{name}." if name else ""

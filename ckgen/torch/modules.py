@@ -83,6 +83,27 @@ class MaxPool2d(nn.MaxPool2d):
         return _carry_over(m, new)
 
 
+class ReLUMaxPool2d(MaxPool2d):
+    """nn.ReLU followed by nn.MaxPool2d, computed as the max pool then the ReLU on its output:
+    max(relu(x)) == relu(max(x)) in every window (ReLU is monotonic; padding never wins a
+    window), and so are the gradients (a window whose max is <= 0 gets none either way). The
+    ReLU then reads and writes the pooled tensor (a quarter of x for a 2x2 pool) instead of x,
+    forward and backward. Same arguments as nn.MaxPool2d, no parameters; return_indices=False
+    only (the indices of relu(x)'s windows can differ where several elements are <= 0)."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
+                 ceil_mode: bool = False, *, indices: str = "stored") -> None:
+        if return_indices:
+            raise ValueError("return_indices: ReLUMaxPool2d returns no indices (those of relu(x) can differ)")
+        super().__init__(kernel_size, stride, padding, dilation, False, ceil_mode, indices=indices)
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        return torch.relu(super().forward(input))
+
+    def extra_repr(self) -> str:
+        return "relu first, " + super().extra_repr()
+
+
 class AvgPool2d(nn.AvgPool2d):
     """nn.AvgPool2d with ckgen (the backward saves nothing)."""
 
@@ -96,4 +117,4 @@ class AvgPool2d(nn.AvgPool2d):
         return _carry_over(m, new)
 
 
-__all__ = ["AvgPool2d", "GroupNorm", "GroupNormSwish", "MaxPool2d"]
+__all__ = ["AvgPool2d", "GroupNorm", "GroupNormSwish", "MaxPool2d", "ReLUMaxPool2d"]

@@ -476,6 +476,33 @@ def test_converted_model_eager_matches_nn(dtype, layout):
     _as_accurate(_errors(ck_run, ref), _errors(nn_run, ref), dtype, "converted eager vs nn eager")
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype,layout", [("bf16", "nhwc"), ("fp32", "nchw"), ("fp16", "nhwc"), ("bf16", "nchw")])
+def test_converted_relu_maxpool_stack_matches_nn(dtype, layout, compiled):
+    """A VGG-like conv-ReLU-pool stack: convert fuses each ReLU + MaxPool2d into ReLUMaxPool2d
+    (pool first); output and input gradient match the nn model in the same dtype, in eager and
+    under torch.compile(fullgraph=True)."""
+    torch.manual_seed(3)
+    ref = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+                        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    ref = ref.cuda().to(TORCH_DT[dtype]).to(memory_format=FMT[layout])
+    mine = copy.deepcopy(ref)
+    report = ct.convert(mine)
+    assert report.counts() == {"ReLU -> Identity": 3, "MaxPool2d -> ReLUMaxPool2d": 3}, str(report)
+    run = torch.compile(mine, fullgraph=True) if compiled else mine
+    x = (torch.randn(4, 3, 40, 40, device="cuda") - 0.3).to(TORCH_DT[dtype]).contiguous(memory_format=FMT[layout])
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y1, y2 = run(x1), ref(x2)
+    assert y1.is_contiguous(memory_format=FMT[layout])
+    dy = torch.randn_like(y2)
+    y1.backward(dy)
+    y2.backward(dy)
+    tol = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 2e-2}[dtype]
+    assert _rel(y1, y2) <= tol and _rel(x1.grad, x2.grad) <= 2 * tol, (_rel(y1, y2), _rel(x1.grad, x2.grad))
+    assert (y1 == 0).any() and (y1 > 0).any()
+
+
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @pytest.mark.parametrize("dtype,layout", [("bf16", "nhwc"), ("fp32", "nchw")])
 def test_compiled_converted_model_trains_like_eager(dtype, layout, mode):

@@ -146,10 +146,23 @@ def _refill(d: dict) -> None:
         t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
 
 
-def _same(a, b) -> None:
+# Configs whose results may differ in the last bit from run to run: the pooling backward's
+# scatter algorithm adds overlapping windows' gradients with fp32 atomics, in no fixed order
+# (templates/common/pool2d_bwd.cuh.j2). A replay is compared with an eager call within one
+# rounding of the output dtype there, bit for bit everywhere else.
+SCATTER = ("maxpool2d_bwd", "maxpool2d_bwd_recompute", "avgpool2d_bwd")
+ULP = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def _same(a, b, exact: bool = True) -> None:
     a, b = torch.as_tensor(a), torch.as_tensor(b)
     assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-    assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    if exact or a.dtype not in ULP:
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    else:
+        # one rounding of a sum of a few fp32 terms: <= 1 ulp of the largest magnitude involved
+        tol = 2 * ULP[a.dtype] * b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= tol, ((a.float() - b.float()).abs().max(), tol)
 
 
 @pytest.mark.parametrize("workspace", [False, True])
@@ -176,7 +189,7 @@ def test_torch_cuda_graph_capture_and_replay(name, layout, workspace):
         torch.cuda.synchronize()
         eager = call(name, d)
         for a, b in zip(captured, eager):
-            _same(a, b)
+            _same(a, b, exact=not (workspace and name in SCATTER))
     if workspace:
         choice = _explain(name, d)
         assert choice.source == "tuned" and choice.config == config, choice
@@ -231,7 +244,7 @@ def test_cupy_stream_capture_and_replay(name, workspace):
             s.synchronize()
             for a, b in zip(captured, eager):
                 assert a.shape == b.shape and a.strides == b.strides
-                assert bool((a == b).all()), name
+                _same(torch.from_dlpack(a), torch.from_dlpack(b), exact=not (workspace and name in SCATTER))
         if workspace:
             assert _explain(name, c).source == "tuned"
 

@@ -896,16 +896,29 @@ def nearest_recorded_winner(records: Iterable[dict[str, Any]], op: OpSpec, p: Pr
                             usable: Callable[[Config], bool]) -> tuple[Config, str] | None:
     """The winner of the nearest recorded problem of this op and arch (op.distance) that
     `usable` accepts, and that problem's key."""
+    got = nearest_recorded_winners(records, op, p, arch, usable, 1)
+    return got[0] if got else None
+
+
+def nearest_recorded_winners(records: Iterable[dict[str, Any]], op: OpSpec, p: Problem, arch: str,
+                             usable: Callable[[Config], bool], count: int) -> list[tuple[Config, str]]:
+    """The `count` distinct winners (fastest recorded config of each problem) of the nearest
+    recorded problems of this op and arch (op.distance) that `usable` accepts, nearest first, each
+    with its problem's key; a winner shared by several problems counts once, with the nearest."""
     wins: dict[str, tuple[float, Config]] = {}
     for r in records:
         if r["op"] == op.name and r["arch"] == arch and r.get("ok"):
             t = float(r["time_us"])
             if r["problem"] not in wins or t < wins[r["problem"]][0]:
                 wins[r["problem"]] = (t, Config.of(r["config"]))
+    out: list[tuple[Config, str]] = []
     for k in sorted(wins, key=lambda k: op.distance(p, op.problem_from_key(k))):
-        if usable(wins[k][1]):
-            return wins[k][1], k
-    return None
+        c = wins[k][1]
+        if len(out) >= count:
+            break
+        if all(c != o for o, _ in out) and usable(c):
+            out.append((c, k))
+    return out
 
 
 def recmod_by_problem(records: Iterable[dict[str, Any]]):

@@ -118,16 +118,19 @@ class ReplayEvaluator:
 
 
 _held_out: dict[tuple[str, str], Any] = {}
+_shipped: list[list[dict[str, Any]]] = []
 
 
 def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
     """The shipped records (ckgen/data/records.jsonl.gz) without any of the sweep's problem: the
     shipped ones hold the sweep itself (and bench timings of its problem), so a model fit on them
-    has seen the answer."""
+    has seen the answer, and the sweep's winner would be its own nearest recorded winner."""
     from . import records
 
+    if not _shipped:
+        _shipped.append(records.read(records.packaged_records_path()))
     key = (sweep.op.name, sweep.problem.key())
-    return [r for r in records.read(records.packaged_records_path()) if (r["op"], r["problem"]) != key]
+    return [r for r in _shipped[0] if (r["op"], r["problem"]) != key]
 
 
 def held_out_model(sweep: Sweep) -> Any:
@@ -143,12 +146,14 @@ def held_out_model(sweep: Sweep) -> Any:
 
 def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahead: int = AHEAD,
            storage: Any = None, model: bool = True) -> tuple[float, ReplayEvaluator]:
-    """One search on the recorded times, seeded as `ckgen tune` seeds it (`tune.model_picks`) but
-    from `held_out_model(sweep)` (`model=False`: no model seeds): (best found / recorded best,
-    the evaluator)."""
+    """One search on the recorded times, seeded as `ckgen tune` seeds it (`tune.model_picks`: the
+    cost model's picks and the nearest recorded problems' winners) but from `held_out_model(sweep)`
+    and `held_out_records(sweep)` (`model=False`: no such seeds, and no prior mean): (best found /
+    recorded best, the evaluator)."""
     ev = ReplayEvaluator(sweep.times.get)
     ok = lambda c: sweep.covers(c) and bool(sweep.op.validate(sweep.problem, c, sweep.target))  # noqa: E731
-    picks = model_picks(sweep.op, sweep.problem, sweep.target, trials, ok, held_out_model(sweep)) if model else ()
+    picks = model_picks(sweep.op, sweep.problem, sweep.target, trials, ok, held_out_model(sweep),
+                        records=held_out_records(sweep)) if model else ()
     search(sweep.op, sweep.problem, sweep.target, sweep.num_sms, ev, trials=trials, timeout=None, storage=storage,
            seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model_seeds=picks,
            model=held_out_model(sweep) if model else None)

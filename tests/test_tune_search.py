@@ -15,7 +15,7 @@ from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 from ckgen.replay import ReplayEvaluator
 from ckgen.sampler import STRATEGIES, make_tpe
-from ckgen.tune import _Objective, final_round, finalists, search
+from ckgen.tune import NEIGHBOURS, _Objective, final_round, finalists, model_picks, search
 
 OP = get_op("groupnorm_fwd")
 SM90 = Target.named("sm_90")
@@ -158,6 +158,64 @@ def test_tpe_flags_are_all_set_explicitly():
     assert tpe._n_startup_trials == 4 and tpe._n_ei_candidates == 24
     p = tpe._parzen_estimator_parameters
     assert p.prior_weight == 1.0 and p.consider_magic_clip is True and p.consider_endpoints is False
+
+
+# ------------------------------------------------------ seeds from the nearest recorded problems
+
+
+def _recs(op, problem, timed, arch="sm_90"):
+    """Records of `problem`: (config, time_us) pairs, timed on `arch`."""
+    from ckgen import records
+
+    return [records.make_record(op, problem, Target.named(arch), "test", c, ok=True, time_us=t) for c, t in timed]
+
+
+def _shape(**kw):
+    return OP.parse_problem(**{**dict(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc"), **kw})
+
+
+def test_seeds_hold_the_winners_of_the_nearest_recorded_problems():
+    """Beside the model's picks (none here: the tests run without a model), the winners of the
+    nearest recorded problems of this op and arch seed the search, nearest first, distinct."""
+    from ckgen import costmodel
+
+    assert costmodel.load() is None
+    cfgs = sorted(VALID, key=Config.key)
+    a, b, c, d, e = cfgs[3], cfgs[40], cfgs[80], cfgs[120], cfgs[160]
+    near, nearer, far = _shape(N=2), _shape(N=4), _shape(N=8, layout="nchw")
+    recs = (_recs(OP, near, [(a, 9.0), (b, 5.0)]) + _recs(OP, nearer, [(c, 3.0), (a, 4.0)])
+            + _recs(OP, far, [(d, 1.0)]) + _recs(get_op("groupnorm_bwd"), PROBLEM, [(e, 1.0)])
+            + _recs(OP, PROBLEM, [(e, 1.0)], arch="sm_80"))
+    assert OP.distance(PROBLEM, nearer) < OP.distance(PROBLEM, near) < OP.distance(PROBLEM, far)
+    assert model_picks(OP, PROBLEM, SM90, 40, records=recs, neighbours=2) == (c, b)  # not the other op's, arch's
+    assert model_picks(OP, PROBLEM, SM90, 40, records=recs, neighbours=5) == (c, b, d)
+    # a problem whose winner is not allowed is passed over (not its runner-up)
+    assert model_picks(OP, PROBLEM, SM90, 40, lambda x: x != c, records=recs, neighbours=2) == (b, d)
+    assert model_picks(OP, PROBLEM, SM90, 40, records=recs, neighbours=0) == ()
+    assert model_picks(OP, PROBLEM, SM90, 8, records=recs, neighbours=5) == (c, b)  # 8 trials: 2 seed slots
+    # a winner shared by two problems counts once
+    twice = recs + _recs(OP, _shape(N=1), [(c, 0.5)])
+    assert model_picks(OP, PROBLEM, SM90, 40, records=twice, neighbours=2) == (c, b)
+
+
+def test_ckgen_tune_seeds_hold_the_nearest_recorded_winner_of_the_user_records():
+    """`ckgen tune` (tune_problem: `model_picks` with the records in use, the shipped and the
+    user's) measures the nearest recorded problem's winner right after the default."""
+    from ckgen import records
+
+    p = OP.parse_problem(N=3, C=96, H=40, W=24, G=24, dtype="fp32", layout="nhwc")
+    valid = sorted((c for c in OP.space.enumerate() if OP.validate(p, c, SM90)), key=Config.key)
+    win, other = valid[len(valid) // 2], valid[len(valid) // 3]
+    before = model_picks(OP, p, SM90, 40)
+    assert win not in before  # from the shipped records only
+    records.append(records.user_records_path(), _recs(OP, p, [(other, 20.0), (win, 10.0)]))
+    picks = model_picks(OP, p, SM90, 40)
+    assert picks[0] == win and len(picks) == NEIGHBOURS == len(set(picks))  # the user's record is the nearest
+    ev = ReplayEvaluator(lambda c: 50.0 + c["items"])
+    _, default = search(OP, p, SM90, 132, ev, trials=12, timeout=None, storage=None, seed=0, model_seeds=picks)
+    assert ev.calls[:2] == [default, win] or (default == win and ev.calls[0] == win)
+    records.append(records.user_records_path(), _recs(OP, p, [(other, 5.0)]))  # the file changed: read again
+    assert model_picks(OP, p, SM90, 40)[0] == other
 
 
 # ----------------------------------------------------------------------------- the final round

@@ -155,11 +155,31 @@ def write_gz(path: Path | str, records: Iterable[dict[str, Any]]) -> None:
     Path(path).write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
 
 
+_read_cache: dict[str, tuple[tuple[int, int], list[dict[str, Any]]]] = {}
+
+
+def read_cached(path: Path | str) -> list[dict[str, Any]]:
+    """`read(path)`, parsed once per version of the file (its mtime and size): the shipped records
+    take about 2 s to parse, and a tuning run asks for them once per problem (its seeds). The list
+    and its records are shared: do not change them."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        return []
+    version = (st.st_mtime_ns, st.st_size)
+    got = _read_cache.get(str(path))
+    if got is None or got[0] != version:
+        got = _read_cache[str(path)] = (version, read(path))
+    return got[1]
+
+
 def all_records(include_user: bool = True) -> list[dict[str, Any]]:
-    """The shipped records, then the user's (what `python -m ckgen.costmodel fit` trains on)."""
-    out = read(packaged_records_path())
+    """The shipped records, then the user's (what `python -m ckgen.costmodel fit` trains on and
+    what the tuner's neighbour seeds come from); a new list of shared records (`read_cached`)."""
+    out = list(read_cached(packaged_records_path()))
     if include_user:
-        out += read(user_records_path())
+        out += read_cached(user_records_path())
     return out
 
 

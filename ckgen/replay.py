@@ -118,7 +118,6 @@ class ReplayEvaluator:
 
 
 _held_out: dict[tuple[str, str], Any] = {}
-_shipped: list[list[dict[str, Any]]] = []
 
 
 def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
@@ -127,10 +126,8 @@ def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
     has seen the answer, and the sweep's winner would be its own nearest recorded winner."""
     from . import records
 
-    if not _shipped:
-        _shipped.append(records.read(records.packaged_records_path()))
     key = (sweep.op.name, sweep.problem.key())
-    return [r for r in _shipped[0] if (r["op"], r["problem"]) != key]
+    return [r for r in records.read_cached(records.packaged_records_path()) if (r["op"], r["problem"]) != key]
 
 
 def held_out_model(sweep: Sweep) -> Any:

@@ -476,26 +476,6 @@ def _heuristic_seeds(op: OpSpec, seeds: list[Config], count: int, trials: int) -
 # (issue 17): runs within 3% of the best over the 22 sweeps x 3 seeds at 40 / 20 trials: 1
 # neighbour 57/66, 46/66; 2: 60, 45; 3: 57, 51; 4: 60, 51 (none, over 20 seeds: 82%, 68%).
 NEIGHBOURS = 4
-_records_cache: dict[str, tuple[tuple[int, int], list[dict[str, Any]]]] = {}
-
-
-def records_in_use() -> list[dict[str, Any]]:
-    """The records `ckgen tune` seeds from: the shipped ones and the user's (what the cost model
-    is fit on: `records.all_records`), each file read once per version of it."""
-    from . import records
-
-    out: list[dict[str, Any]] = []
-    for path in (records.packaged_records_path(), records.user_records_path()):
-        try:
-            st = path.stat()
-            version = (st.st_mtime_ns, st.st_size)
-        except OSError:
-            continue
-        got = _records_cache.get(str(path))
-        if got is None or got[0] != version:
-            got = _records_cache[str(path)] = (version, records.read(path))
-        out += got[1]
-    return out
 
 
 def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
@@ -507,17 +487,20 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
     fit in `_n_seeds(trials)`), which do not hang on the model (when it is wrong about a problem,
     all its picks tend to be wrong alike).
     `model`: a CostModel to ask instead of the one in use; `records`: the records to take the
-    neighbours from instead of `records_in_use()` (a replay passes both without the replayed
-    problem's records)."""
+    neighbours from instead of the shipped and user ones (`records.all_records`; a replay passes
+    both without the replayed problem's records)."""
     from . import costmodel
 
     ok = allowed or (lambda c: bool(op.validate(problem, c, target)))
     picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2), ok, model=model)
     neighbours = min(neighbours, _n_seeds(trials) - len(picks))  # `search` seeds no more
     if neighbours > 0:
-        recs = records_in_use() if records is None else records
+        if records is None:
+            from . import records as recmod
+
+            records = recmod.all_records()
         fresh = lambda c: c not in picks and bool(ok(c))  # noqa: E731
-        near = costmodel.nearest_recorded_winners(recs, op, problem, target.arch, fresh, neighbours)
+        near = costmodel.nearest_recorded_winners(records, op, problem, target.arch, fresh, neighbours)
         picks += [c for c, _ in near]
     return tuple(picks)
 

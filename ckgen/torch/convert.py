@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from torch import nn
 
-from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d, ReLUMaxPool2d, _carry_over
+from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
 
 OPS = ("groupnorm", "groupnorm_swish", "maxpool2d", "avgpool2d", "relu_maxpool2d")
 _CKGEN = (GroupNorm, MaxPool2d, AvgPool2d)
@@ -136,15 +136,20 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
     uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     done: set[int] = set()  # ids of modules already handled (fused, or reported)
 
+    def shared_or_hooked(a: nn.Module, b: nn.Module, a_kind: str, b_kind: str, dropped: nn.Module) -> Optional[str]:
+        """Why a pair cannot be fused whatever its kinds (None: it can): a module used in more
+        than one place, or hooks on the one the fusion drops (it becomes an nn.Identity)."""
+        if uses[id(a)] > 1 or uses[id(b)] > 1:
+            return f"the {a_kind} or the {b_kind} is used in more than one place"
+        if any(getattr(dropped, h, None) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")):
+            return f"the {a_kind if dropped is a else b_kind} has hooks"
+        return None
+
     def fuse(path: str, gn: nn.Module, act_path: str, act: nn.Module, how: str) -> None:
         if "groupnorm_swish" not in want:
             return
-        why = None
-        if uses[id(gn)] > 1 or uses[id(act)] > 1:
-            why = "the GroupNorm or the SiLU is used in more than one place"
-        elif any(getattr(act, h, None) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")):
-            why = "the SiLU has hooks"
-        elif not _is_gn(gn):
+        why = shared_or_hooked(gn, act, "GroupNorm", "SiLU", act)
+        if why is None and not _is_gn(gn):
             why = f"{type(gn).__name__} is a subclass of nn.GroupNorm (its forward may differ)"
         if why:
             report._add(False, path, gn, "", f"not fused with {act_path}: {why}")
@@ -157,19 +162,14 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
         done.update((id(gn), id(act), id(new_gn), id(new_act)))
 
     def fuse_relu_pool(relu_path: str, relu: nn.Module, pool_path: str, pool: nn.Module) -> None:
-        why = None
-        if uses[id(relu)] > 1 or uses[id(pool)] > 1:
-            why = "the ReLU or the MaxPool2d is used in more than one place"
-        elif any(getattr(relu, h, None) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")):
-            why = "the ReLU has hooks"
-        elif pool.return_indices:
+        why = shared_or_hooked(relu, pool, "ReLU", "MaxPool2d", relu)
+        if why is None and pool.return_indices:
             why = "the MaxPool2d returns indices (those of relu(x) can differ)"
         if why:
             report._add(False, relu_path, relu, "", f"not fused with {pool_path}: {why}")
             done.add(id(relu))
             return
-        new_relu, new_pool = nn.Identity(), _carry_over(pool, ReLUMaxPool2d(
-            pool.kernel_size, pool.stride, pool.padding, pool.dilation, False, pool.ceil_mode, indices=max_pool_indices))
+        new_relu, new_pool = nn.Identity(), ReLUMaxPool2d.from_module(pool, indices=max_pool_indices)
         _set(model, relu_path, new_relu)
         _set(model, pool_path, new_pool)
         report._add(True, relu_path, relu, "Identity", f"fused into {pool_path}")

@@ -22,10 +22,12 @@ no Dynamo, no dispatch mode such as FakeTensorMode, plain CUDA tensors), and wha
 backward goes through (`DoubleBackwardError`, as with the custom ops)."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+
+import ckgen
 
 from . import ops
 
@@ -34,17 +36,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # implementations then fall back to the PyTorch computation, so the autograd wiring is
 # checked without a GPU.
 _CPU_FOR_TESTS = False
-_NONES = (None,) * 8
-_ck: Any = None
-
-
-def _ckgen() -> Any:
-    global _ck
-    if _ck is None:
-        import ckgen
-
-        _ck = ckgen
-    return _ck
 
 
 def usable(x: Tensor) -> bool:
@@ -55,16 +46,19 @@ def usable(x: Tensor) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
+def _maxpool_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode):
+    return ckgen.maxpool2d_fwd(x, kernel_size, stride, padding, dilation, ceil_mode, True)
+
+
 class Call:
     """One eager call signature's decisions (made by `ckgen.torch.functional`, cached there).
 
     - why: None when ckgen's ops take the call, else the reason PyTorch's op runs;
-    - op-specific fields: groups, activation and fix_params (weight or bias needs a cast to x's
-      dtype or a contiguous copy); or kernel, stride, padding, dilation (int
-      pairs as tuples), ceil_mode, count_include_pad, divisor_override;
+    - op-specific fields: groups, act ("none" or "swish") and fix_params (weight or bias needs a
+      cast to x's dtype or a contiguous copy); or kernel, stride, padding, dilation (int pairs as
+      tuples), ceil_mode, count_include_pad, divisor_override;
     - fmt: x's memory format (the layout the backward's dy is given in);
-    - `serves(variant, x)`: whether ckgen's dispatcher runs that kernel (asked once per variant:
-      `ops._not_served`)."""
+    - `kernel(name, x)`: the function that runs op `name` for this call."""
 
     __slots__ = ("why", "groups", "act", "fix_params", "k", "s", "p", "d", "ceil", "cip", "div", "fmt", "_served")
 
@@ -73,17 +67,24 @@ class Call:
         for name in self.__slots__[1:-1]:
             setattr(self, name, fields.get(name))
 
-    def serves(self, variant: str, x: Tensor) -> bool:
-        ok = self._served.get(variant)
+    def kernel(self, name: str, x: Tensor, variant: Optional[str] = None) -> Callable:
+        """ckgen's function for op `name` when ckgen's dispatcher serves this call (asked once per
+        `variant`, default `name`: `ops._not_served`), else the custom op's CUDA implementation
+        `ops.cuda_<name>`, which falls back to PyTorch and logs it. Both take the custom op's
+        arguments (the pooling pairs may be tuples)."""
+        key = variant or name
+        ok = self._served.get(key)
         if ok is None:
-            ok = self._served[variant] = self._ask(variant, x) is None
-        return ok
+            ok = self._served[key] = self._ask(key, x) is None
+        if not ok:
+            return getattr(ops, "cuda_" + name)
+        return _maxpool_fwd_with_indices if name == "maxpool2d_fwd_with_indices" else getattr(ckgen, name)
 
     def _ask(self, variant: str, x: Tensor) -> Optional[str]:
         if x.device.type != "cuda":  # the CPU test route: the ops' implementations fall back
             return "not a CUDA tensor"
         if variant.startswith("groupnorm"):
-            return ops._not_served(variant, x, G=self.groups, activation=self.act or "none")
+            return ops._not_served(variant, x, G=self.groups, activation=self.act)
         pool = dict(kernel=self.k, stride=self.s, padding=self.p, ceil_mode=self.ceil)
         if variant == "maxpool2d_fwd":
             return ops._not_served(variant, x, return_indices=False, dilation=self.d, **pool)
@@ -94,18 +95,9 @@ class Call:
         return ops._not_served(variant, x, count_include_pad=self.cip, divisor_override=self.div, **pool)
 
 
-def _grad_in(dy: Tensor, call: Call, dtype: torch.dtype) -> Tensor:
-    """The incoming gradient in x's dtype and layout (a no-op when it already is)."""
-    if dy.dtype != dtype:
-        dy = dy.to(dtype)
-    return dy if dy.is_contiguous(memory_format=call.fmt) else dy.contiguous(memory_format=call.fmt)
-
-
 def groupnorm_forward(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], call: Call, eps: float):
     """(y, mean, rstd) of ckgen's GroupNorm forward (its fallback where the dispatcher cannot serve)."""
-    if call.serves("groupnorm_fwd", x):
-        return _ckgen().groupnorm_fwd(x, w, b, call.groups, eps=eps, activation=call.act)
-    return ops.cuda_groupnorm_fwd(x, w, b, call.groups, eps, call.act or "none")
+    return call.kernel("groupnorm_fwd", x)(x, w, b, call.groups, eps, call.act)
 
 
 class GroupNormFn(torch.autograd.Function):
@@ -116,7 +108,7 @@ class GroupNormFn(torch.autograd.Function):
         y, mean, rstd = groupnorm_forward(x, gamma, beta, call, eps)
         ctx.call = call
         ctx.stats = (mean, rstd)  # made here, never seen outside: no version check needed
-        ctx.save_for_backward(x, gamma, beta if call.act else None)
+        ctx.save_for_backward(x, gamma, beta if call.act == "swish" else None)
         return y
 
     @staticmethod
@@ -124,42 +116,17 @@ class GroupNormFn(torch.autograd.Function):
         x, gamma, beta = ctx.saved_tensors
         mean, rstd = ctx.stats
         call = ctx.call
-        need_x, need_g, need_b = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: through the ops, whose backward raises DoubleBackwardError
-            grads = ops.gn_grads(dy, x, gamma, beta, mean, rstd, call.groups, call.act or "none",
-                                 need_x, need_g, need_b)
-            return (*grads, None, None)
-        dy = _grad_in(dy, call, x.dtype)
-        dx = dgamma = dbeta = None
-        G, act = call.groups, call.act
-        if need_x and (need_g or need_b):
-            if call.serves("groupnorm_bwd", x):
-                dx, dgamma, dbeta = _ckgen().groupnorm_bwd(dy, x, mean, rstd, gamma, G, beta, activation=act)
-            else:
-                dx, dgamma, dbeta = ops.cuda_groupnorm_bwd(dy, x, mean, rstd, gamma, G, beta, act or "none")
-        elif need_x:
-            if call.serves("groupnorm_bwd_data", x):
-                dx = _ckgen().groupnorm_bwd_data(dy, x, mean, rstd, gamma, G, beta, activation=act)
-            else:
-                dx = ops.cuda_groupnorm_bwd_data(dy, x, mean, rstd, gamma, G, beta, act or "none")
-        elif need_g or need_b:
-            if call.serves("groupnorm_bwd_gamma_beta", x):
-                dgamma, dbeta = _ckgen().groupnorm_bwd_gamma_beta(dy, x, mean, rstd, G, gamma, beta, activation=act)
-            else:
-                dgamma, dbeta = ops.cuda_groupnorm_bwd_gamma_beta(dy, x, mean, rstd, G, gamma, beta, act or "none")
-        return dx, dgamma if need_g else None, dbeta if need_b else None, None, None
+        # create_graph=True goes through the custom ops, whose backward raises DoubleBackwardError
+        impl = None if torch.is_grad_enabled() else (lambda name: call.kernel(name, x))
+        grads = ops.gn_grads(dy, x, gamma, beta, mean, rstd, call.groups, call.act, *ctx.needs_input_grad[:3],
+                             impl=impl)
+        return (*grads, None, None)
 
 
 def maxpool_forward(x: Tensor, call: Call, store: bool):
     """y (store=False) or (y, indices) of ckgen's max pool forward."""
-    if store:
-        if call.serves("maxpool2d_fwd_with_indices", x):
-            return _ckgen().maxpool2d_fwd(x, call.k, call.s, call.p, call.d, call.ceil, True)
-        return ops.cuda_maxpool2d_fwd_with_indices(x, list(call.k), list(call.s), list(call.p), list(call.d),
-                                                   call.ceil)
-    if call.serves("maxpool2d_fwd", x):
-        return _ckgen().maxpool2d_fwd(x, call.k, call.s, call.p, call.d, call.ceil)
-    return ops.cuda_maxpool2d_fwd(x, list(call.k), list(call.s), list(call.p), list(call.d), call.ceil)
+    return call.kernel("maxpool2d_fwd_with_indices" if store else "maxpool2d_fwd", x)(
+        x, call.k, call.s, call.p, call.d, call.ceil)
 
 
 class MaxPoolFn(torch.autograd.Function):
@@ -182,20 +149,15 @@ class MaxPoolFn(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         call, idx = ctx.call, ctx.indices
-        dy = _grad_in(dy, call, x.dtype)
         if torch.is_grad_enabled():  # create_graph=True: the op raises DoubleBackwardError on the next backward
-            return ops.maxpool2d_bwd(dy, x, list(call.k), list(call.s), list(call.p), list(call.d), call.ceil,
-                                     idx), None, None
-        if call.serves("maxpool2d_bwd recompute" if idx is None else "maxpool2d_bwd stored", x):
-            return _ckgen().maxpool2d_bwd(dy, x, call.k, call.s, call.p, call.d, call.ceil, idx), None, None
-        return ops.cuda_maxpool2d_bwd(dy, x, list(call.k), list(call.s), list(call.p), list(call.d), call.ceil,
-                                      idx), None, None
+            bwd = ops.maxpool2d_bwd
+        else:
+            bwd = call.kernel("maxpool2d_bwd", x, "maxpool2d_bwd " + ("recompute" if idx is None else "stored"))
+        return bwd(ops.grad_like(dy, call.fmt, x.dtype), x, call.k, call.s, call.p, call.d, call.ceil, idx), None, None
 
 
 def avgpool_forward(x: Tensor, call: Call) -> Tensor:
-    if call.serves("avgpool2d_fwd", x):
-        return _ckgen().avgpool2d_fwd(x, call.k, call.s, call.p, call.ceil, call.cip, call.div)
-    return ops.cuda_avgpool2d_fwd(x, list(call.k), list(call.s), list(call.p), call.ceil, call.cip, call.div)
+    return call.kernel("avgpool2d_fwd", x)(x, call.k, call.s, call.p, call.ceil, call.cip, call.div)
 
 
 class AvgPoolFn(torch.autograd.Function):
@@ -205,22 +167,17 @@ class AvgPoolFn(torch.autograd.Function):
     def forward(ctx, x: Tensor, call: Call) -> Tensor:
         ctx.call = call
         ctx.x_meta = ops.avg_x_meta(x)
+        ctx.bwd = call.kernel("avgpool2d_bwd", x)  # asked with x: the backward has only its shape
         return avgpool_forward(x, call)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         if not ctx.needs_input_grad[0]:
             return None, None
-        call = ctx.call
-        params = (list(call.k), list(call.s), list(call.p), call.ceil, call.cip, call.div)
-        if torch.is_grad_enabled():  # create_graph=True: through the op (DoubleBackwardError next)
-            return ops.avg_dx(dy, ctx.x_meta, params), None
-        shape, dtype, device, fmt = ctx.x_meta
-        x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read
-        dy = _grad_in(dy, call, dtype)
-        if call.serves("avgpool2d_bwd", x_like):
-            return _ckgen().avgpool2d_bwd(dy, x_like, call.k, call.s, call.p, call.ceil, call.cip, call.div), None
-        return ops.cuda_avgpool2d_bwd(dy, x_like, *params), None
+        c = ctx.call
+        # create_graph=True: through the custom op (DoubleBackwardError on the next backward)
+        bwd = None if torch.is_grad_enabled() else ctx.bwd
+        return ops.avg_dx(dy, ctx.x_meta, (c.k, c.s, c.p, c.ceil, c.cip, c.div), bwd), None
 
 
 __all__ = ["AvgPoolFn", "Call", "GroupNormFn", "MaxPoolFn", "usable"]

@@ -22,7 +22,7 @@ falls back inside the custom op, at run time, logged in eager and compiled runs 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +91,27 @@ def group_norm_why_not(x: Tensor, num_groups: int, weight: Optional[Tensor], bia
     return None
 
 
-_GN_SIG: dict = {}
+_CALLS: dict = {}
+
+
+def _cached(key: Callable[[], tuple], make: Callable[[], "eager.Call"]) -> "eager.Call":
+    """`make()` (a call's checks, as an `eager.Call`), answered from a cache under `key()` (x's
+    shape, strides, dtype and device and everything else the checks read, as given): a repeated
+    eager call (every training step) skips the checks. An unhashable argument (a list) is checked
+    every call; under torch.compile the checks are traced as they are (Dynamo guards on what they
+    read)."""
+    if torch.compiler.is_compiling():
+        return make()
+    k = key()
+    try:
+        hit = _CALLS.get(k)
+    except TypeError:
+        return make()
+    if hit is None:
+        if len(_CALLS) > 4096:
+            _CALLS.clear()
+        hit = _CALLS[k] = make()
+    return hit
 
 
 def _param_sig(t: Optional[Tensor]) -> Any:
@@ -100,28 +120,17 @@ def _param_sig(t: Optional[Tensor]) -> Any:
 
 def _gn_call(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
              activation: Optional[str]) -> eager.Call:
-    """The checks of a GroupNorm call, answered from a cache keyed by everything they read (x's
-    and the parameters' shapes, strides, dtypes and devices, num_groups, activation): a repeated
-    eager call (every training step) skips them. Under torch.compile they are traced as they are."""
-    key = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (x.shape, x.stride(), x.dtype, x.device, num_groups, activation, _param_sig(weight),
-                   _param_sig(bias), _ROUTE_CPU)
-            hit = _GN_SIG.get(key)
-        except TypeError:  # an unhashable argument: checked every call
-            key = hit = None
-        if hit is not None:
-            return hit
-    why = group_norm_why_not(x, num_groups, weight, bias, activation)
-    fix = any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in (weight, bias))
-    call = eager.Call(why, groups=num_groups, act="swish" if activation == "swish" else None, fix_params=fix,
-                      fmt=None if why else ops.memory_format_of(x))
-    if key is not None:
-        if len(_GN_SIG) > 4096:
-            _GN_SIG.clear()
-        _GN_SIG[key] = call
-    return call
+    """The checks of a GroupNorm call (`_cached`: keyed by x's and the parameters' shapes,
+    strides, dtypes and devices, num_groups and activation)."""
+
+    def make() -> eager.Call:
+        why = group_norm_why_not(x, num_groups, weight, bias, activation)
+        fix = any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in (weight, bias))
+        return eager.Call(why, groups=num_groups, act="swish" if activation == "swish" else "none", fix_params=fix,
+                          fmt=None if why else ops.memory_format_of(x))
+
+    return _cached(lambda: ("gn", x.shape, x.stride(), x.dtype, x.device, num_groups, activation,
+                            _param_sig(weight), _param_sig(bias), _ROUTE_CPU), make)
 
 
 def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
@@ -148,7 +157,7 @@ def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias
         if _needs_grad(x, w, b):
             return eager.GroupNormFn.apply(x, w, b, call, float(eps))
         return eager.groupnorm_forward(x, w, b, call, float(eps))[0]
-    y, _, _ = torch.ops.ckgen.groupnorm_fwd(x, w, b, num_groups, float(eps), call.act or "none")
+    y, _, _ = torch.ops.ckgen.groupnorm_fwd(x, w, b, num_groups, float(eps), call.act)
     return y
 
 
@@ -171,42 +180,28 @@ def _pool_args_why_not(x: Tensor, k, s, p, d, ceil_mode: bool) -> Optional[str]:
     return None
 
 
-_POOL_SIG: dict = {}
-
-
 def _pool_call(kind: str, x: Tensor, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad=True,
                divisor_override=None) -> eager.Call:
     """The checks of a pooling call and its arguments as int pairs (an `eager.Call`; why is None
-    when ckgen's ops take it). Eager calls with hashable arguments (ints, tuples) are answered
-    from a cache keyed by x's shape, strides, dtype and device and the arguments as given: a
-    repeated call (every training step) skips the checks. Under torch.compile the checks are
-    traced as they are (Dynamo guards on what they read)."""
-    key = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = (kind, x.shape, x.stride(), x.dtype, x.device, kernel_size, stride, padding, dilation, ceil_mode,
-                   count_include_pad, divisor_override, _ROUTE_CPU)
-            hit = _POOL_SIG.get(key)
-        except TypeError:  # a list argument: checked every call
-            key = hit = None
-        if hit is not None:
-            return hit
-    why = _tensor_why_not(x)
-    k = _int_pair(kernel_size, "kernel_size")
-    s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else _int_pair(stride, "stride")
-    p, d = _int_pair(padding, "padding"), _int_pair(dilation, "dilation")
-    if why is None:
-        why = _pool_args_why_not(x, k, s, p, d, bool(ceil_mode))
-    if why is None and divisor_override is not None and (not isinstance(divisor_override, int)
-                                                         or isinstance(divisor_override, bool) or divisor_override < 1):
-        why = f"divisor_override={divisor_override!r} (PyTorch rejects it)"
-    call = eager.Call(why, k=k, s=s, p=p, d=d, ceil=bool(ceil_mode), cip=bool(count_include_pad),
-                      div=divisor_override, fmt=None if why else ops.memory_format_of(x))
-    if key is not None:
-        if len(_POOL_SIG) > 4096:
-            _POOL_SIG.clear()
-        _POOL_SIG[key] = call
-    return call
+    when ckgen's ops take it), `_cached` by x's shape, strides, dtype and device and the
+    arguments as given."""
+
+    def make() -> eager.Call:
+        why = _tensor_why_not(x)
+        k = _int_pair(kernel_size, "kernel_size")
+        s = k if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) \
+            else _int_pair(stride, "stride")
+        p, d = _int_pair(padding, "padding"), _int_pair(dilation, "dilation")
+        if why is None:
+            why = _pool_args_why_not(x, k, s, p, d, bool(ceil_mode))
+        if why is None and divisor_override is not None and (
+                not isinstance(divisor_override, int) or isinstance(divisor_override, bool) or divisor_override < 1):
+            why = f"divisor_override={divisor_override!r} (PyTorch rejects it)"
+        return eager.Call(why, k=k, s=s, p=p, d=d, ceil=bool(ceil_mode), cip=bool(count_include_pad),
+                          div=divisor_override, fmt=None if why else ops.memory_format_of(x))
+
+    return _cached(lambda: (kind, x.shape, x.stride(), x.dtype, x.device, kernel_size, stride, padding, dilation,
+                            ceil_mode, count_include_pad, divisor_override, _ROUTE_CPU), make)
 
 
 def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,

@@ -672,22 +672,20 @@ def _gn_setup(ctx, inputs, output):
     ctx.save_for_backward(x, gamma, beta if activation == "swish" else None, mean, rstd)
 
 
-def gn_grads(dy, x, gamma, beta, mean, rstd, groups, activation, need_x, need_g, need_b, direct=False):
+def gn_grads(dy, x, gamma, beta, mean, rstd, groups, activation, need_x, need_g, need_b, impl=None):
     """(dx, dgamma, dbeta) of GroupNorm, None where not needed, through the backward op that computes
-    just what is needed (groupnorm_bwd, _bwd_data or _bwd_gamma_beta). direct=True calls their CUDA
-    implementations instead of the ops (the eager fast path, ckgen/torch/eager.py)."""
+    just what is needed (groupnorm_bwd, _bwd_data or _bwd_gamma_beta). `impl(name)`: the function
+    to run for backward op `name` (default: the custom op; the eager fast path passes ckgen's
+    function or the CUDA implementation: `eager.Call.kernel`); they all take the same arguments."""
     dx = dgamma = dbeta = None
     dy = grad_like(dy, x, x.dtype)
-    if direct:
-        bwd, bwd_data, bwd_gb = cuda_groupnorm_bwd, cuda_groupnorm_bwd_data, cuda_groupnorm_bwd_gamma_beta
-    else:
-        bwd, bwd_data, bwd_gb = groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta
+    pick = impl or ALL_OPS.__getitem__
     if need_x and (need_g or need_b):
-        dx, dgamma, dbeta = bwd(dy, x, mean, rstd, gamma, groups, beta, activation)
+        dx, dgamma, dbeta = pick("groupnorm_bwd")(dy, x, mean, rstd, gamma, groups, beta, activation)
     elif need_x:
-        dx = bwd_data(dy, x, mean, rstd, gamma, groups, beta, activation)
+        dx = pick("groupnorm_bwd_data")(dy, x, mean, rstd, gamma, groups, beta, activation)
     elif need_g or need_b:
-        dgamma, dbeta = bwd_gb(dy, x, mean, rstd, groups, gamma, beta, activation)
+        dgamma, dbeta = pick("groupnorm_bwd_gamma_beta")(dy, x, mean, rstd, groups, gamma, beta, activation)
     return dx, dgamma if need_g else None, dbeta if need_b else None
 
 
@@ -728,11 +726,12 @@ def avg_x_meta(x: Tensor) -> tuple:
     return tuple(x.shape), x.dtype, x.device, memory_format_of(x)
 
 
-def avg_dx(dy: Tensor, x_meta: tuple, params: tuple, direct: bool = False) -> Tensor:
-    """avg pooling's dx from dy alone; direct=True calls the CUDA implementation, not the op."""
+def avg_dx(dy: Tensor, x_meta: tuple, params: tuple, bwd=None) -> Tensor:
+    """avg pooling's dx from dy alone, through `bwd` (default: the custom op; the eager fast path
+    passes ckgen's function or the CUDA implementation, which take the same arguments)."""
     shape, dtype, device, fmt = x_meta
     x_like = torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)  # never read
-    return (cuda_avgpool2d_bwd if direct else avgpool2d_bwd)(grad_like(dy, fmt, dtype), x_like, *params)
+    return (bwd or avgpool2d_bwd)(grad_like(dy, fmt, dtype), x_like, *params)
 
 
 def _avg_setup(ctx, inputs, output):

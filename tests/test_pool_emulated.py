@@ -149,3 +149,24 @@ def test_fast_paths_nchw_row_vectors_and_aligned_gather():
                 for c in picked:
                     check(op, p, c, inputs)
     assert n_vec >= 10 and n_aligned >= 20 and n_br >= 50 and n_xfoot >= 3
+
+
+@pytest.mark.parametrize("name,extra", [("maxpool2d_fwd", dict(return_indices=True)),
+                                        ("maxpool2d_bwd", dict(indices="recompute")),
+                                        ("avgpool2d_fwd", {}), ("avgpool2d_bwd", dict(count_include_pad=False))])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_one_output_axis_with_a_small_stride(name, extra, layout):
+    """A global pool written with stride 1, and one output along H only: the problem is keyed and
+    compiled with the stride raised to the window (`canonical_stride`); the kernels match the
+    reference, itself checked against a direct loop with the stride as given
+    (tests/test_pool_reference.py)."""
+    op = get_op(name)
+    rng = np.random.default_rng()
+    for geo in (dict(H=7, W=7, kernel=7, stride=1), dict(H=5, W=8, kernel=(5, 3), stride=(2, 1), padding=(0, 1))):
+        p = op.parse_problem(N=2, C=24, dtype="fp16", layout=layout, **geo, **extra)
+        assert p.OH == 1 and p.stride[0] == 5 or p.stride == (7, 7)
+        inputs = op.make_inputs(p, rng)
+        t = pool_emu.EMU_TARGET
+        cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
+        for c in [op.space.nearest_default(lambda c: bool(op.validate(p, c, t)))] + random.Random(name).sample(cfgs, 2):
+            check(op, p, c, inputs)

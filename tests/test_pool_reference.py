@@ -215,3 +215,52 @@ def test_make_inputs_have_ties_and_no_zeros_everywhere():
         win = x[0, 0, max(oh * 2 - 1, 0):oh * 2 + 2, max(ow * 2 - 1, 0):ow * 2 + 2]
         tied += (win == win.max()).sum() > 1
     assert tied > 0
+
+
+def test_canonical_stride_keeps_every_output_size():
+    """Along an axis with one output a stride below the effective kernel is raised to it; PyTorch's
+    output size is the same for every size, kernel, stride, padding, dilation and ceil_mode."""
+    from ckgen.ops.pool.problem import canonical_stride
+
+    changed = 0
+    for n, k, s, d, ceil in itertools.product(range(1, 12), range(1, 7), range(1, 9), (1, 2), (False, True)):
+        for p in range(k // 2 + 1):
+            o = out_size(n, k, s, p, d, ceil)
+            if o < 1:
+                continue
+            cs = canonical_stride(n, n, (k, k), (s, s), (p, p), (d, d), ceil)
+            ek = (k - 1) * d + 1
+            assert cs[0] == cs[1] == (ek if o == 1 and s < ek else s)
+            assert out_size(n, k, cs[0], p, d, ceil) == o, (n, k, s, p, d, ceil)
+            changed += cs[0] != s
+    assert changed > 100  # the rule does apply
+
+
+ONE_OUTPUT = [  # (H, W, kernel, stride, padding, dilation, ceil): one output along H and/or W, stride < window
+    (7, 7, 7, 1, 0, 1, False),  # a global pool written with stride 1
+    (5, 8, (5, 3), (2, 1), (0, 1), 1, False),  # one output along H only
+    (5, 5, 3, 2, 1, (3, 1), True),  # dilation and ceil_mode
+    (3, 9, (3, 2), (1, 3), (0, 0), 1, True),
+]
+
+
+@pytest.mark.parametrize("case", ONE_OUTPUT, ids=str)
+def test_canonical_stride_problems_match_the_direct_loop_with_the_given_stride(case):
+    H, W, k, s, p, d, ceil = case
+    pair = lambda v: (v, v) if isinstance(v, int) else v  # noqa: E731
+    k, s, p, d = map(pair, (k, s, p, d))
+    rng = np.random.default_rng(5)
+    x = ties((2, 3, H, W), rng)
+    prob = MAXF.parse_problem(N=2, C=3, H=H, W=W, dtype="fp32", layout="nchw", kernel=k, stride=s, padding=p,
+                              dilation=d, ceil_mode=ceil)
+    assert prob.stride != s  # canonicalized
+    y, idx = maxpool2d_reference(prob, x)
+    wy, widx = direct_max(x, k, s, p, d, ceil)
+    np.testing.assert_array_equal(y, wy)
+    np.testing.assert_array_equal(idx, widx)
+    if d == (1, 1):
+        for cip in (True, False):
+            ap = AVGF.parse_problem(N=2, C=3, H=H, W=W, dtype="fp32", layout="nchw", kernel=k, stride=s,
+                                    padding=p, ceil_mode=ceil, count_include_pad=cip)
+            np.testing.assert_allclose(avgpool2d_reference(ap, x), direct_avg(x, k, s, p, ceil, cip, None),
+                                       rtol=1e-14, atol=1e-14)

@@ -45,6 +45,20 @@ def pool_output_size(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool)
     return out
 
 
+def canonical_stride(H: int, W: int, k: Pair, s: Pair, p: Pair, d: Pair, ceil_mode: bool) -> Pair:
+    """The stride a pooling problem is keyed and compiled with: along an axis with one output, a
+    stride below the effective kernel is raised to it. The only window there starts at -padding
+    whatever the stride, and PyTorch's output size stays 1: floor((size + 2p - ek) / s) = 0 for
+    the given s implies it for any larger one, and ceil_mode's extra window (when it exists) starts
+    at s' >= s >= size + p, in the right padding, so it is dropped again."""
+    out = list(s)
+    for axis, size in ((0, H), (1, W)):
+        ek = (k[axis] - 1) * d[axis] + 1
+        if s[axis] < ek and pool_output_size(size, k[axis], s[axis], p[axis], d[axis], ceil_mode) == 1:
+            out[axis] = ek
+    return out[0], out[1]
+
+
 @dataclass(frozen=True)
 class PoolProblem(Problem):
     """What picks a pooling instance (the DB key): shape, dtype, layout and pooling params."""
@@ -96,6 +110,11 @@ class PoolProblem(Problem):
         if self.OH < 1 or self.OW < 1:
             raise ValueError(f"kernel_size: output size {self.OH}x{self.OW} is too small for input "
                              f"{self.H}x{self.W} (kernel {k}, stride {s}, padding {p}, dilation {d})")
+        # One output along an axis: the stride there never moves a window, so it is set to the
+        # effective kernel when smaller (the same output, values and indices; see
+        # `canonical_stride`). A global pool written with stride 1 (`nn.AvgPool2d(7, stride=1)` on
+        # 7x7) is then the stride-7 problem: its DB entry, and kernels without overlapping windows.
+        object.__setattr__(self, "stride", canonical_stride(self.H, self.W, k, s, p, d, self.ceil_mode))
 
     # ---- derived sizes ----
     @property

@@ -230,9 +230,10 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
 
 
 def _regs(op: OpSpec, p: Problem, c: Config) -> int:
-    """Registers per thread, estimated as the ops' validate estimates them (at least 32)."""
+    """Registers per thread (at least 32): pooling's `regs_used` (what the compiler is expected to
+    allocate, up to the launch bounds' budget); GroupNorm's estimated here."""
     d, item = c.as_dict(), DTYPES[p.dtype]["itemsize"]
-    est = getattr(op, "_regs_needed", None)
+    est = getattr(op, "regs_used", None)
     if est is not None and not op.name.startswith("groupnorm"):
         try:
             return max(32, int(est(p, c)))

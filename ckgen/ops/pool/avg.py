@@ -37,11 +37,9 @@ class AvgPool2dFwd(_PoolOp):
     def _context_flags(self, p: AvgPoolProblem) -> dict[str, Any]:
         return {"count_include_pad": p.count_include_pad, "divisor_override": p.divisor_override}
 
-    def _regs_needed(self, p: AvgPoolProblem, config: Config) -> int:
+    def _acc_words(self, p: AvgPoolProblem, config: Config) -> int:
         th, tw = self.tile(config)
-        vec = self.vec_elems(p, config)
-        row = self._row_regs(p, config)
-        return th * tw * vec + row + 24
+        return th * tw * self.vec_elems(p, config)  # fp32 sums
 
     def min_bytes(self, p: AvgPoolProblem) -> int:
         item = DTYPES[p.dtype]["itemsize"]

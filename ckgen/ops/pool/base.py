@@ -175,7 +175,27 @@ class _PoolOp(OpSpec):
         return planes * _cdiv(nrow, br) * _cdiv(ncol, t // (cvec * br))
 
     def _regs_needed(self, p: PoolProblem, config: Config) -> int:
+        """Registers per thread the kernel needs not to spill (`validate` checks it against the
+        launch bounds' budget). Forward ops: accumulators plus the loaded input (`_fwd_regs`)."""
+        return self._fwd_regs(p, config, self._acc_words(p, config))
+
+    def _acc_words(self, p: PoolProblem, config: Config) -> int:
+        """Forward: registers of a thread's accumulators (its TH x TW outputs)."""
         raise NotImplementedError
+
+    def regs_used(self, p: PoolProblem, config: Config) -> int:
+        """Registers per thread the compiler is expected to allocate, for occupancy (the cost
+        model): what the code wants, up to the launch bounds' budget. The NHWC forward wants
+        every footprint row's loads in flight (all unrolled): accumulators + FR x FC vectors +
+        24; over the 3,442 recorded NHWC forward instances, min(budget, that) is within 0.79-1.40x
+        of ptxas's count (5th-95th percentile, median 1.00). Elsewhere `_regs_needed`."""
+        if self.backward or p.layout == "nchw":
+            return min(_regs_per_thread(config), self._regs_needed(p, config))
+        th, tw = self.tile(config)
+        fr = (th - 1) * p.stride[0] + p.eff_kernel[0]
+        fc = (tw - 1) * p.stride[1] + p.eff_kernel[1]
+        want = self._acc_words(p, config) + fr * fc * max(1, config["vec_bytes"] // 4) + 24
+        return min(_regs_per_thread(config), want)
 
     def _coord_reach(self, p: PoolProblem, config: Config) -> int:
         """The largest window coordinate a thread computes along either axis, its tile's overhang
@@ -191,11 +211,21 @@ class _PoolOp(OpSpec):
             reach = max(reach, r)
         return reach
 
-    def _row_regs(self, p: PoolProblem, config: Config) -> int:
-        """Forward: registers of one loaded footprint row (NCHW) or input vector (NHWC)."""
+    def _fwd_regs(self, p: PoolProblem, config: Config, acc: int) -> int:
+        """Forward: registers per thread not to spill, for `acc` accumulator words plus the loaded input.
+        NCHW holds one footprint row of elements. NHWC loads a footprint row's FC input vectors
+        (vec_bytes / 4 words each) before its taps, and NVRTC keeps about 3 rows of those loads
+        in flight (the kernel is fully unrolled). Calibrated on 3,442 recorded NHWC forward
+        instances compiled for sm_90 at their own launch bounds
+        (bench/results/logs/pool-spill-sm90-nvrtc.jsonl, tools/pool-regs-study.py): of the 439
+        that spill, this admits 135 (the old "2 vectors" row admitted all 439), and it rejects
+        no recorded winner."""
         if p.layout == "nchw":
-            return (self.tile(config)[1] - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1]
-        return 2 * self.vec_elems(p, config)
+            return acc + (self.tile(config)[1] - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1] + 24
+        th, tw = self.tile(config)
+        fr = (th - 1) * p.stride[0] + p.eff_kernel[0]
+        fc = (tw - 1) * p.stride[1] + p.eff_kernel[1]
+        return acc + min(fr, 3) * fc * max(1, config["vec_bytes"] // 4) + 20
 
     def validate(self, p: PoolProblem, config: Config, target: Target) -> Support:
         in_space = self.space.check(config)

@@ -35,11 +35,12 @@ class MaxPool2dFwd(_PoolOp):
     def _context_flags(self, p: MaxPoolFwdProblem) -> dict[str, Any]:
         return {"return_indices": p.return_indices}
 
-    def _regs_needed(self, p: MaxPoolFwdProblem, config: Config) -> int:
+    def _acc_words(self, p: MaxPoolFwdProblem, config: Config) -> int:
         th, tw = self.tile(config)
         vec = self.vec_elems(p, config)
-        row = self._row_regs(p, config)
-        return th * tw * vec * (2 if p.return_indices else 1) + row + 24
+        if p.layout == "nhwc" and not p.return_indices and config["vec_bytes"] >= 4:
+            vec = config["vec_bytes"] // 4  # the running max stays in packed storage words
+        return th * tw * vec * (2 if p.return_indices else 1)  # with indices: a max and an index each
 
     def min_bytes(self, p: MaxPoolFwdProblem) -> int:
         item = DTYPES[p.dtype]["itemsize"]

@@ -1,0 +1,55 @@
+"""Which register count should the cost model's occupancy use for the pooling forward? K-fold
+(5, seeded) over every recorded problem of the ops given (default: max/avg pool forward), CPU only:
+the model is fit on the other folds' records and picks among each held-out problem's timed
+candidates (as the dispatcher ranks them). Picked time / the problem's best recorded time.
+
+    PYTHONPATH=. python3 bench/costmodel_kfold.py VARIANT [OPS]
+
+VARIANT: legacy (the NHWC input counted as 2 vectors, before 2026-11-25), needed (the spill
+bound `validate` uses), used (`regs_used`: what the compiler allocates, up to the budget; what
+ckgen uses). Results: bench/results/logs/costmodel-kfold-pool-fwd.txt."""
+import sys, math, random, collections
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ckgen import costmodel as cm, records
+from ckgen.ops import get_op
+from ckgen.ops.spec import Config, Target
+recs=records.read(records.packaged_records_path())
+variant=sys.argv[1]; ops_sel=sys.argv[2].split(',') if len(sys.argv)>2 else ['maxpool2d_fwd','avgpool2d_fwd']
+orig=cm._regs
+def legacy(op,p,c):
+    if op.name in ('maxpool2d_fwd','avgpool2d_fwd') and p.layout=='nhwc':
+        th,tw=op.tile(c); vec=op.vec_elems(p,c); idx=getattr(p,'return_indices',False)
+        return max(32, th*tw*vec*(2 if idx else 1)+2*vec+24)
+    if op.name.startswith('groupnorm'): return orig(op,p,c)
+    return max(32, op._regs_needed(p,c))
+def needed(op,p,c):
+    if op.name.startswith('groupnorm'): return orig(op,p,c)
+    return max(32, op._regs_needed(p,c))
+cm._regs={'legacy':legacy,'needed':needed,'used':orig}[variant]
+probs=sorted({(r['op'],r['arch'],r['problem']) for r in recs if r['op'] in ops_sel})
+random.Random(0).shuffle(probs)
+K=5; out=[]
+byp=collections.defaultdict(list)
+for r in recs: byp[(r['op'],r['arch'],r['problem'])].append(r)
+for k in range(K):
+    fold=set(probs[k::K])
+    model=cm.fit([r for r in recs if (r['op'],r['arch'],r['problem']) not in fold])
+    for key in fold:
+        opn,arch,pk=key; timed=cm.timed_configs(byp[key])
+        if len(timed)<2: continue
+        op=get_op(opn); T=Target.named(arch); p=op.problem_from_key(pk)
+        valid=lambda c: bool(op.validate(p,c,T))
+        every,n=cm.candidate_tiers(op,p,T,model.winner_configs(op),valid)
+        cands=[c for c in every if c in timed]; nn=sum(c in timed for c in every[:n])
+        if not cands:
+            cands,nn=cm.candidate_tiers(op,p,T,model.winner_configs(op),lambda c: c in timed and valid(c))
+        if not cands: continue
+        pick=model.select(op,p,cands,nn,T)[0][1]
+        out.append((opn,p.layout,timed[pick]/min(timed.values()),pk))
+g=lambda xs: math.exp(sum(map(math.log,xs))/len(xs))
+for lay in ('nchw','nhwc'):
+    xs=[x for o,l,x,_ in out if l==lay]
+    print(variant, lay, len(xs), 'geo %.3f worst %.3f within1.15 %d'%(g(xs),max(xs),sum(x<=1.15 for x in xs)))
+xs=[t[2] for t in out]; print(variant,'all',len(xs),'geo %.3f worst %.3f'%(g(xs),max(xs)))
+w=max(out,key=lambda t:t[2]); print(variant,'worst problem',w)

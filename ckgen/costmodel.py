@@ -233,8 +233,8 @@ def _regs(op: OpSpec, p: Problem, c: Config) -> int:
     """Registers per thread (at least 32): pooling's `regs_used` (what the compiler is expected to
     allocate, up to the launch bounds' budget); GroupNorm's estimated here."""
     d, item = c.as_dict(), DTYPES[p.dtype]["itemsize"]
-    est = getattr(op, "regs_used", None)
-    if est is not None and not op.name.startswith("groupnorm"):
+    est = getattr(op, "regs_used", None)  # the pooling ops have it; GroupNorm's is below
+    if est is not None:
         try:
             return max(32, int(est(p, c)))
         except (KeyError, ValueError, ZeroDivisionError):

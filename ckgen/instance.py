@@ -10,8 +10,12 @@ class InvalidConfig(ValueError):
     """A config that cannot run a problem; the message is the validator's reason."""
 
 
-def render_instance(op: OpSpec, problem: Problem, config: Config, target: Target) -> KernelSource:
-    ok = op.validate(problem, config, target)
-    if not ok:
-        raise InvalidConfig(f"{op.name} {config.key()}: {ok.reason}")
+def render_instance(op: OpSpec, problem: Problem, config: Config, target: Target, *,
+                    check: bool = True) -> KernelSource:
+    """The instance's source. `check=False` skips `validate`: only for offline studies of what
+    the validator should admit (a config it rejects for its registers still renders)."""
+    if check:
+        ok = op.validate(problem, config, target)
+        if not ok:
+            raise InvalidConfig(f"{op.name} {config.key()}: {ok.reason}")
     return render(op.template, op.instance_name(problem, config), op.render_context(problem, config, target))

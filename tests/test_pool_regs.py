@@ -26,11 +26,10 @@ SM90 = Target.named("sm_90")
 def _spill(op, p, c) -> tuple[int, int]:
     """(registers, spill-store bytes) of the instance's kernels, compiled offline for sm_90;
     rendered without `validate`, which may reject the config for its registers."""
-    from ckgen.codegen import render
+    from ckgen.instance import render_instance
 
-    src = render(op.template, op.instance_name(p, c), op.render_context(p, c, SM90))
-    inst = library.Instance(op.name, SM90, c, src, (p.key(),))
-    built = library._build_cuda(inst)
+    src = render_instance(op, p, c, SM90, check=False)
+    built = library.build([library.Instance(op.name, SM90, c, src, (p.key(),))], jobs=1)[0]
     assert built.ok, built.log
     return (max(r["registers"] for r in built.report.values()),
             max(r["spill_stores"] for r in built.report.values()))

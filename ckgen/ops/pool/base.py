@@ -142,10 +142,15 @@ class _PoolOp(OpSpec):
         """(rows, cols) of the positions one thread computes: outputs (forward) or inputs (gather)."""
         return config["th"], config["tw"]
 
-    def _footprint(self, p: PoolProblem, config: Config) -> int:
+    def _footprint_dims(self, p: PoolProblem, config: Config) -> tuple[int, int]:
+        """(FR, FC): input rows and columns a thread's TH x TW output tile reads (forward)."""
         th, tw = self.tile(config)
         ek = p.eff_kernel
-        return ((th - 1) * p.stride[0] + ek[0]) * ((tw - 1) * p.stride[1] + ek[1])
+        return (th - 1) * p.stride[0] + ek[0], (tw - 1) * p.stride[1] + ek[1]
+
+    def _footprint(self, p: PoolProblem, config: Config) -> int:
+        fr, fc = self._footprint_dims(p, config)
+        return fr * fc
 
     def _tiles(self, p: PoolProblem, config: Config) -> tuple[int, int, int, int]:
         """(planes, tile rows, tile columns, channel vectors) of the main kernel's decomposition."""
@@ -186,15 +191,13 @@ class _PoolOp(OpSpec):
     def regs_used(self, p: PoolProblem, config: Config) -> int:
         """Registers per thread the compiler is expected to allocate, for occupancy (the cost
         model): what the code wants, up to the launch bounds' budget. The NHWC forward wants
-        every footprint row's loads in flight (all unrolled): accumulators + FR x FC vectors +
-        24; over the 3,442 recorded NHWC forward instances, min(budget, that) is within 0.79-1.40x
-        of ptxas's count (5th-95th percentile, median 1.00). Elsewhere `_regs_needed`."""
+        every footprint row's loads in flight (all unrolled): `_fwd_regs` with all FR rows and
+        24 spare; over the 3,442 recorded NHWC forward instances, min(budget, that) is within
+        0.79-1.40x of ptxas's count (5th-95th percentile, median 1.00). Elsewhere `_regs_needed`."""
         if self.backward or p.layout == "nchw":
-            return min(_regs_per_thread(config), self._regs_needed(p, config))
-        th, tw = self.tile(config)
-        fr = (th - 1) * p.stride[0] + p.eff_kernel[0]
-        fc = (tw - 1) * p.stride[1] + p.eff_kernel[1]
-        want = self._acc_words(p, config) + fr * fc * max(1, config["vec_bytes"] // 4) + 24
+            want = self._regs_needed(p, config)
+        else:
+            want = self._fwd_regs(p, config, self._acc_words(p, config), rows=None, spare=24)
         return min(_regs_per_thread(config), want)
 
     def _coord_reach(self, p: PoolProblem, config: Config) -> int:
@@ -211,21 +214,20 @@ class _PoolOp(OpSpec):
             reach = max(reach, r)
         return reach
 
-    def _fwd_regs(self, p: PoolProblem, config: Config, acc: int) -> int:
-        """Forward: registers per thread not to spill, for `acc` accumulator words plus the loaded input.
-        NCHW holds one footprint row of elements. NHWC loads a footprint row's FC input vectors
-        (vec_bytes / 4 words each) before its taps, and NVRTC keeps about 3 rows of those loads
-        in flight (the kernel is fully unrolled). Calibrated on 3,442 recorded NHWC forward
-        instances compiled for sm_90 at their own launch bounds
-        (bench/results/logs/pool-spill-sm90-nvrtc.jsonl, tools/pool-regs-study.py): of the 439
+    def _fwd_regs(self, p: PoolProblem, config: Config, acc: int, rows: int | None = 3, spare: int = 20) -> int:
+        """Forward: registers per thread not to spill, for `acc` accumulator words plus the loaded
+        input. NCHW holds one footprint row of elements. NHWC loads a footprint row's FC input
+        vectors (vec_bytes / 4 words each) before its taps, and NVRTC keeps about `rows` = 3 rows
+        of those loads in flight (the kernel is fully unrolled; None: all FR rows). Calibrated on
+        3,442 recorded NHWC forward instances compiled for sm_90 at their own launch bounds
+        (bench/results/logs/pool-spill-sm90-nvrtc.jsonl, tools/pool-spill-study.py): of the 439
         that spill, this admits 135 (the old "2 vectors" row admitted all 439), and it rejects
         no recorded winner."""
+        fr, fc = self._footprint_dims(p, config)
         if p.layout == "nchw":
-            return acc + (self.tile(config)[1] - 1) * p.stride[1] + p.eff_kernel[1] + p.padding[1] + 24
-        th, tw = self.tile(config)
-        fr = (th - 1) * p.stride[0] + p.eff_kernel[0]
-        fc = (tw - 1) * p.stride[1] + p.eff_kernel[1]
-        return acc + min(fr, 3) * fc * max(1, config["vec_bytes"] // 4) + 20
+            return acc + fc + p.padding[1] + 24
+        in_flight = fr if rows is None else min(fr, rows)
+        return acc + in_flight * fc * max(1, config["vec_bytes"] // 4) + spare
 
     def validate(self, p: PoolProblem, config: Config, target: Target) -> Support:
         in_space = self.space.check(config)

@@ -7,7 +7,10 @@ candidates (as the dispatcher ranks them). Picked time / the problem's best reco
 
 VARIANT: legacy (the NHWC input counted as 2 vectors, before 2026-11-25), needed (the spill
 bound `validate` uses), used (`regs_used`: what the compiler allocates, up to the budget; what
-ckgen uses). Results: bench/results/logs/costmodel-kfold-pool-fwd.txt."""
+ckgen uses), samefloor (as used, but every launch of a call costs the first launch's floor and no re-read
+term for the max backward's recompute: the model before 2026-11-25), norecompute (the floor
+split without the recompute term). OPS: comma-separated, or "all".
+Results: bench/results/logs/costmodel-kfold-pool-fwd.txt, costmodel-kfold-floor.txt."""
 import sys, math, random, collections
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -16,6 +19,7 @@ from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 recs=records.read(records.packaged_records_path())
 variant=sys.argv[1]; ops_sel=sys.argv[2].split(',') if len(sys.argv)>2 else ['maxpool2d_fwd','avgpool2d_fwd']
+if ops_sel==['all']: ops_sel=sorted({r['op'] for r in recs})
 orig=cm._regs
 def legacy(op,p,c):
     if op.name in ('maxpool2d_fwd','avgpool2d_fwd') and p.layout=='nhwc':
@@ -26,7 +30,13 @@ def legacy(op,p,c):
 def needed(op,p,c):
     if op.name.startswith('groupnorm'): return orig(op,p,c)
     return max(32, op._regs_needed(p,c))
-cm._regs={'legacy':legacy,'needed':needed,'used':orig}[variant]
+if variant=='samefloor':  # every launch of a call costs the same floor (the model before 2026-11-25)
+    cm.FLOOR_NEXT_GRID=(1.0,); cm.RECOMPUTE_REREAD=False; variant_regs='used'
+elif variant=='norecompute':  # the floor split, but no re-read term for the max backward's recompute
+    cm.RECOMPUTE_REREAD=False; variant_regs='used'
+else:
+    variant_regs=variant
+cm._regs={'legacy':legacy,'needed':needed,'used':orig}[variant_regs]
 probs=sorted({(r['op'],r['arch'],r['problem']) for r in recs if r['op'] in ops_sel})
 random.Random(0).shuffle(probs)
 K=5; out=[]
@@ -47,9 +57,16 @@ for k in range(K):
         if not cands: continue
         pick=model.select(op,p,cands,nn,T)[0][1]
         out.append((opn,p.layout,timed[pick]/min(timed.values()),pk))
+import os
+if os.environ.get('KFOLD_ROWS'):  # every held-out problem's ratio, for comparing variants
+    with open(os.environ['KFOLD_ROWS'],'w') as f:
+        for t in sorted(out): f.write('%s\t%s\t%.4f\t%s\n'%t)
 g=lambda xs: math.exp(sum(map(math.log,xs))/len(xs))
 for lay in ('nchw','nhwc'):
     xs=[x for o,l,x,_ in out if l==lay]
     print(variant, lay, len(xs), 'geo %.3f worst %.3f within1.15 %d'%(g(xs),max(xs),sum(x<=1.15 for x in xs)))
+for o in sorted({t[0] for t in out}) if len(ops_sel)>2 else []:
+    xs=[t[2] for t in out if t[0]==o]
+    print(variant, o, len(xs), 'geo %.3f worst %.3f within1.15 %d'%(g(xs),max(xs),sum(x<=1.15 for x in xs)))
 xs=[t[2] for t in out]; print(variant,'all',len(xs),'geo %.3f worst %.3f'%(g(xs),max(xs)))
 w=max(out,key=lambda t:t[2]); print(variant,'worst problem',w)

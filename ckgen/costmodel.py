@@ -7,7 +7,8 @@ NHWC shape: 3,196 timings), 20-trial tuning runs of 139 grid problems (most of t
 forward), and about two timings per problem (winner and default) for the rest. A
 gradient-boosted or ranking model fit on that learns the two swept problems and has little to
 generalise with across shapes (`bench/costmodel_loo.py` measures it). So the model's *form*
-is physics: time = launches x a per-launch floor + the bytes the op must move / bandwidth,
+is physics: time = a launch floor (the call's first launch, less for each further one) + the
+bytes the op must move / bandwidth,
 scaled by exp(w . phi), where phi are deficits that make a memory-bound
 kernel slower than its roofline (bytes in flight below what the GPU needs to hide latency,
 SMs left idle, the last wave's tail, narrow vectors, re-reads, splits, ...). Only the weights
@@ -120,7 +121,14 @@ TERMS: tuple[tuple[str, float, str], ...] = (
 TERM_NAMES = tuple(t[0] for t in TERMS)
 PRIOR = np.array([t[1] for t in TERMS])
 BW_BYTES_PER_US = 3.0e6  # the roofline's bandwidth (H100 HBM3 ~3.35 TB/s peak); intercepts absorb the rest
-FLOOR_GRID = (1.5, 2.5, 3.5, 4.5, 6.0)  # us per launch on the GPU (launch latency + ramp)
+FLOOR_GRID = (1.5, 2.5, 3.5, 4.5, 6.0)  # us for a call's first launch on the GPU (launch latency + ramp)
+# each further launch of the same call, as a fraction of the first: it is queued behind the first
+# one, so it pays its ramp but not the launch latency (a multi-stage GroupNorm backward, a split
+# forward's merge; 1.0: every launch costs the same, the model before 2026-11-25)
+FLOOR_NEXT_GRID = (0.25, 0.5, 1.0)
+# max pool backward with the argmax recomputed: x re-read under the covering outputs' windows as
+# a "reread" term (geometry); False: none, the model before 2026-11-25 (bench/costmodel_kfold.py)
+RECOMPUTE_REREAD = True
 NEED_GRID = (0.25e6, 0.5e6, 1e6, 2e6, 4e6, 8e6)  # bytes in flight the GPU needs to hide memory latency
 RIDGE = 40.0
 # The measured correction: a config's prediction is corrected by how far off the model was for
@@ -223,6 +231,20 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
             phi["gpb"] = math.log2(d["groups_per_block"])
     elif d.get("algo") == "scatter":
         phi["scatter"] = 1.0
+    elif RECOMPUTE_REREAD and getattr(p, "indices", "") == "recompute" and d.get("algo") == "gather":
+        # max backward recomputing the argmax: a thread's th x tw inputs are covered by up to
+        # na x nb outputs, each of whose argmax is recomputed from x: from the x footprint under
+        # their windows, read once (NCHW aligned tiles, XR x XC), else from each window
+        # (kh x kw reads per covering output). The overlap is read again (L1/L2) and recomputed:
+        # a th=1 tile reads ~2-3x the x a th>=2 tile does (the ResNet-stem sweeps: 2x slower)
+        th, tw = op.tile(c)  # type: ignore[attr-defined]
+        if op.x_footprint(p, c):  # type: ignore[attr-defined]
+            xr, xc = op._x_footprint_dims(p, c)  # type: ignore[attr-defined]
+            reads = xr * xc
+        else:
+            (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride  # type: ignore[attr-defined]
+            reads = -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
+        phi["reread"] = math.log1p(x_bytes * max(0.0, reads / (th * tw) - 1.0) / need_bytes)
     ws = op.workspace_bytes(p, c)
     allocs = len(op.output_buffers(p)) + (1 if ws > KEEP_WS_BYTES else 0)
     return Geometry(len(launches), allocs, math.log(max(need_bytes, 1) / BW_BYTES_PER_US), math.log(inflight),
@@ -246,6 +268,11 @@ def _regs(op: OpSpec, p: Problem, c: Config) -> int:
     single = op.scheme(c) == "single_pass"  # type: ignore[attr-defined]
     regs = (2 * d["items"] * vec * item // 4 if single else 2 * d["items"] * vec) + 40
     return regs + (7 * vec if p.layout == "nhwc" else 0)
+
+
+def launch_floor(launches: Any, first: float, nxt: float) -> Any:
+    """first + (launches - 1) x nxt (launches: an int or an array)."""
+    return first + (launches - 1) * nxt
 
 
 def _phi_matrix(geos: Sequence[Geometry], need: float) -> np.ndarray:
@@ -278,10 +305,12 @@ class CostModel:
     def __init__(self, weights: Sequence[float], intercepts: dict[str, float], floor_us: float, need_bytes: float,
                  host: dict[str, float], winners: dict[str, list[dict[str, Any]]], stats: dict[str, Any],
                  residuals: dict[str, dict[str, Any]] | None = None,
-                 correction: dict[str, float] | None = None):
+                 correction: dict[str, float] | None = None, floor_next_us: float | None = None):
         self.weights = np.array(weights, dtype=np.float64)
         self.intercepts = dict(intercepts)
         self.floor_us, self.need_bytes = float(floor_us), float(need_bytes)
+        # a further launch of the same call (a file without it: every launch costs floor_us)
+        self.floor_next_us = float(floor_us if floor_next_us is None else floor_next_us)
         self.host = dict(host)
         self.winners = {k: list(v) for k, v in winners.items()}
         self.stats = dict(stats)
@@ -297,7 +326,8 @@ class CostModel:
         return {"format": FORMAT, "version": VERSION, "terms": list(TERM_NAMES),
                 "weights": [round(float(w), 6) for w in self.weights],
                 "intercepts": {k: round(v, 6) for k, v in sorted(self.intercepts.items())},
-                "floor_us": self.floor_us, "need_bytes": self.need_bytes, "bw_bytes_per_us": BW_BYTES_PER_US,
+                "floor_us": self.floor_us, "floor_next_us": self.floor_next_us, "need_bytes": self.need_bytes,
+                "bw_bytes_per_us": BW_BYTES_PER_US,
                 "host": self.host, "stats": self.stats,
                 "correction": dict(sorted(self.correction.items())),
                 "residuals": {k: v for k, v in sorted(self.residuals.items())},
@@ -319,8 +349,9 @@ class CostModel:
             inter = {str(k): float(v) for k, v in doc["intercepts"].items()}
             host = {k: float(doc["host"][k]) for k in HOST}
             floor_us, need = float(doc["floor_us"]), float(doc["need_bytes"])
-            nums = [*w, *inter.values(), *host.values(), floor_us, need]
-            if not all(math.isfinite(x) for x in nums) or floor_us < 0 or need <= 0:
+            floor_next = float(doc.get("floor_next_us", floor_us))
+            nums = [*w, *inter.values(), *host.values(), floor_us, floor_next, need]
+            if not all(math.isfinite(x) for x in nums) or floor_us < 0 or floor_next < 0 or need <= 0:
                 raise ModelError("a constant is not finite or out of range")
             winners = doc.get("winners") or {}
             if not isinstance(winners, dict) or not all(
@@ -333,7 +364,7 @@ class CostModel:
             corr = {k: float(v) for k, v in (doc.get("correction") or {}).items()}
             if not all(math.isfinite(v) and v >= 0 for v in corr.values()):
                 raise ModelError("'correction': a constant is not finite or negative")
-            return cls(w, inter, floor_us, need, host, winners, dict(doc.get("stats") or {}), resid, corr)
+            return cls(w, inter, floor_us, need, host, winners, dict(doc.get("stats") or {}), resid, corr, floor_next)
         except ModelError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -341,7 +372,8 @@ class CostModel:
 
     def summary(self) -> str:
         s = self.stats
-        return (f"{s.get('records', '?')} records of {s.get('problems', '?')} problems; floor {self.floor_us} us/launch, "
+        return (f"{s.get('records', '?')} records of {s.get('problems', '?')} problems; floor {self.floor_us} us "
+                f"for a call's first launch, {self.floor_next_us:g} us for each further one, "
                 f"knee {self.need_bytes / 1e6:g} MB in flight; weights "
                 + ", ".join(f"{n}={w:.2f}" for n, w in zip(TERM_NAMES, self.weights)))
 
@@ -355,7 +387,7 @@ class CostModel:
         mem = np.exp(np.array([g.log_roof for g in geos]) + b + phi @ self.weights)
         corr = self.corrections(op, p, configs, target)
         h = self.host
-        return [Prediction((g.launches * self.floor_us + float(m)) * math.exp(k),
+        return [Prediction((self.launch_us(g.launches) + float(m)) * math.exp(k),
                            h["call_us"] + h["launch_us"] * g.launches + h["alloc_us"] * g.allocs)
                 for g, m, k in zip(geos, mem, corr)]
 
@@ -399,6 +431,11 @@ class CostModel:
                 den += w
             out.append(num / (den + prior) if den > 0 else 0.0)
         return out
+
+    def launch_us(self, launches: int) -> float:
+        """GPU time of a call's launches beyond its memory traffic: the first launch's floor, and
+        a smaller one for each further launch (queued behind the first)."""
+        return launch_floor(launches, self.floor_us, self.floor_next_us)
 
     def predict(self, op: OpSpec, p: Problem, config: Config, target: Target) -> Prediction:
         return self.predict_many(op, p, [config], target)[0]
@@ -602,8 +639,9 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
     wrow = wrow * (len(wrow) / (len(op_sum) * op_sum[op_idx]))
     multi = counts[gid] > 1
     best: tuple[float, CostModel] | None = None
-    for floor in FLOOR_GRID:
-        z = np.log(np.maximum(t_obs - n_l * floor, 0.25 * t_obs)) - roof
+    for floor, frac in ((f, x) for f in FLOOR_GRID for x in FLOOR_NEXT_GRID):
+        fl = launch_floor(n_l, floor, frac * floor)
+        z = np.log(np.maximum(t_obs - fl, 0.25 * t_obs)) - roof
         for need in NEED_GRID:
             phi = _phi_matrix(geos, need)
             zc, pc = _demean(z, gid), _demean_cols(phi, gid)
@@ -616,13 +654,14 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
                 m = np.array([o == name for o in ops])
                 inter[name] = float(np.sum(resid[m] * wrow[m]) / np.sum(wrow[m]))
             b = np.array([inter[o] for o in ops])
-            pred = np.log(n_l * floor + np.exp(roof + b + phi @ w))
+            pred = np.log(fl + np.exp(roof + b + phi @ w))
             loss = float(np.sum(wrow * (np.log(t_obs) - pred) ** 2) / np.sum(wrow))
             if best is None or loss < best[0] - 1e-12:
                 stats = {"records": len(rows), "problems": len(group_of), "ridge": ridge,
                          "rms_log_error": round(math.sqrt(loss), 4),
                          "devices": sorted({r["device"] for r, *_ in rows})}
-                best = (loss, CostModel(w, inter, floor, need, HOST, best_configs(records), stats))
+                best = (loss, CostModel(w, inter, floor, need, HOST, best_configs(records), stats,
+                                        floor_next_us=frac * floor))
     assert best is not None
     model = best[1]
     model.residuals = _residual_table(model, rows, geos, t_obs)
@@ -670,7 +709,7 @@ def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.
     phi = _phi_matrix(geos, model.need_bytes)
     by: dict[tuple[str, str, str], dict[Config, float]] = {}
     for i, (r, op, p, t, c) in enumerate(rows):
-        pred = geos[i].launches * model.floor_us + math.exp(
+        pred = model.launch_us(geos[i].launches) + math.exp(
             geos[i].log_roof + model.intercepts[op.name] + float(phi[i] @ model.weights))
         res = math.log(float(t_obs[i])) - math.log(pred)
         g = by.setdefault((op.name, r["arch"], r["problem"]), {})

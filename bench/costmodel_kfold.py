@@ -10,7 +10,7 @@ bound `validate` uses), used (`regs_used`: what the compiler allocates, up to th
 ckgen uses), samefloor (as used, but every launch of a call costs the first launch's floor and no re-read
 term for the max backward's recompute: the model before 2026-11-25), norecompute (the floor
 split without the recompute term). OPS: comma-separated, or "all".
-Results: bench/results/logs/costmodel-kfold-pool-fwd.txt, costmodel-kfold-floor.txt."""
+Results: bench/results/logs/costmodel-kfold-pool-fwd.txt, costmodel-kfold-2026-11-25.txt."""
 import sys, math, random, collections
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

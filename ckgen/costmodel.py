@@ -241,6 +241,9 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
         if op.x_footprint(p, c):  # type: ignore[attr-defined]
             xr, xc = op._x_footprint_dims(p, c)  # type: ignore[attr-defined]
             reads = xr * xc
+        elif op.aligned_gather(p, c):  # type: ignore[attr-defined]
+            na, nb = op.cover_counts(p, c)  # type: ignore[attr-defined]
+            reads = na * nb * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
         else:
             (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride  # type: ignore[attr-defined]
             reads = -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]

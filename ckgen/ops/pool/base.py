@@ -117,6 +117,10 @@ class _PoolOp(OpSpec):
         pre = p.padding[1] - ob0 * p.stride[1]  # the tile's first column in the footprint
         return pre >= 0 and pre + self.tile(config)[1] <= self._x_footprint_dims(p, config)[1]
 
+    def cover_counts(self, p: PoolProblem, config: Config) -> tuple[int, int]:
+        """(NA, NB): the outputs along H and W that cover an aligned gather tile (the template's)."""
+        return _cover_span(self._cover(p, config, 0))[1], _cover_span(self._cover(p, config, 1))[1]
+
     def _x_footprint_dims(self, p: PoolProblem, config: Config) -> tuple[int, int]:
         """(rows, columns) of x under the windows of an aligned gather tile's covering outputs
         (the template's XR x XC)."""

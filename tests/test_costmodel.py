@@ -95,6 +95,41 @@ def test_model_file_round_trips(model_on, tmp_path):
     assert model_on.rank(GN, p, cands, SM90) == again.rank(GN, p, cands, SM90)
 
 
+def test_further_launches_have_their_own_floor(model_on):
+    """A call's first launch pays floor_us, each further one floor_next_us (fitted, <= floor_us);
+    a model file from before the split (no floor_next_us) charges floor_us for every launch,
+    and a negative floor is rejected."""
+    m = model_on
+    assert 0 <= m.floor_next_us <= m.floor_us
+    assert m.launch_us(1) == pytest.approx(m.floor_us)
+    assert m.launch_us(3) == pytest.approx(m.floor_us + 2 * m.floor_next_us)
+    doc = json.loads(costmodel.dumps(m))
+    del doc["floor_next_us"]
+    old = costmodel.CostModel.from_doc(doc)
+    assert old.launch_us(3) == pytest.approx(3 * m.floor_us)
+    with pytest.raises(costmodel.ModelError, match="out of range"):
+        costmodel.CostModel.from_doc({**doc, "floor_next_us": -1.0})
+
+
+def test_recompute_backward_counts_the_x_it_reads_again():
+    """Max pool backward with the argmax recomputed: a thread reads the x under its covering
+    outputs' windows; a 1-row tile at k3 s2 reads more of it per input than a 2-row one (the
+    ResNet-stem sweeps time th=1 at ~2x), stored indices read no x at all."""
+    op = get_op("maxpool2d_bwd")
+    reread = costmodel.TERM_NAMES.index("reread")
+
+    def phi(indices, th, tw, layout="nchw"):
+        p = op.problem_from_key(f"N=32,C=64,H=112,W=112,k=3x3,s=2x2,p=1x1,d=1x1,ceil=0,dtype=fp32,"
+                                f"layout={layout},indices={indices}")
+        c = Config.of(dict(algo="gather", block_rows=1, min_blocks=4, th=th, threads=64, tw=tw, vec_bytes=4))
+        assert op.validate(p, c, SM90), (indices, th, tw, layout)
+        return costmodel.geometry(op, p, c, SM90).phi[reread]
+
+    for layout in ("nchw", "nhwc"):
+        assert phi("recompute", 1, 8, layout) > phi("recompute", 2, 8, layout) > 0
+        assert phi("stored", 1, 8, layout) == phi("stored", 2, 8, layout) == 0
+
+
 def _records_for(op, p, times: dict) -> list[dict]:
     return [records.make_record(op, p, SM90, "test", c, ok=True, time_us=t) for c, t in times.items()]
 

@@ -124,7 +124,7 @@ class _PoolOp(OpSpec):
     def _x_footprint_dims(self, p: PoolProblem, config: Config) -> tuple[int, int]:
         """(rows, columns) of x under the windows of an aligned gather tile's covering outputs
         (the template's XR x XC)."""
-        (_, na), (_, nb) = _cover_span(self._cover(p, config, 0)), _cover_span(self._cover(p, config, 1))
+        na, nb = self.cover_counts(p, config)
         return (na - 1) * p.stride[0] + p.eff_kernel[0], (nb - 1) * p.stride[1] + p.eff_kernel[1]
 
     def aligned_gather(self, p: PoolProblem, config: Config) -> bool:
@@ -402,7 +402,7 @@ class _PoolBwd(_PoolOp):
         th, tw = self.tile(config)
         vec = self.vec_elems(p, config)
         if self.aligned_gather(p, config):
-            (_, na), (_, nb) = _cover_span(self._cover(p, config, 0)), _cover_span(self._cover(p, config, 1))
+            na, nb = self.cover_counts(p, config)
             xfoot = math.prod(self._x_footprint_dims(p, config)) if self.x_footprint(p, config) else 0
             return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32 + xfoot
         return th * tw * vec + 4 * vec + 32

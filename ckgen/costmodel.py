@@ -642,6 +642,7 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
     wrow = wrow * (len(wrow) / (len(op_sum) * op_sum[op_idx]))
     multi = counts[gid] > 1
     best: tuple[float, CostModel] | None = None
+    winners = best_configs(records)  # the same for every grid point: once, not per improvement
     for floor, frac in ((f, x) for f in FLOOR_GRID for x in FLOOR_NEXT_GRID):
         fl = launch_floor(n_l, floor, frac * floor)
         z = np.log(np.maximum(t_obs - fl, 0.25 * t_obs)) - roof
@@ -663,7 +664,7 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
                 stats = {"records": len(rows), "problems": len(group_of), "ridge": ridge,
                          "rms_log_error": round(math.sqrt(loss), 4),
                          "devices": sorted({r["device"] for r, *_ in rows})}
-                best = (loss, CostModel(w, inter, floor, need, HOST, best_configs(records), stats,
+                best = (loss, CostModel(w, inter, floor, need, HOST, winners, stats,
                                         floor_next_us=frac * floor))
     assert best is not None
     model = best[1]

@@ -86,6 +86,9 @@ WIDE_MARGIN = 0.15
 # held-out shapes, bench/results/heldout/runs/README.md: model-off).
 NEAREST_MARGIN: float | None = 0.3
 NEAREST_DISTANCE = 2.0
+# `choose`'s compiled check (the dispatcher's spill test, `library.spill_free`) looks at most this
+# far down the ranking; each look is one NVRTC compile (~0.3 s) on the first call of a problem.
+ACCEPT_TRIES = 8
 WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
 
@@ -471,13 +474,21 @@ class CostModel:
         return [x for x in ranked if x[1] not in inner and x[0].total_us < bar] + first
 
     def choose(self, op: OpSpec, p: Problem, target: Target, usable: Callable[[Config], bool],
-               extra_winners: Iterable[Config] = ()) -> tuple[Config, Prediction, int] | None:
+               extra_winners: Iterable[Config] = (), accept: Callable[[Config], bool] | None = None,
+               ) -> tuple[Config, Prediction, int] | None:
         """The best candidate (`select`) that `usable` accepts (it must include op.validate),
-        its prediction, and how many candidates were ranked; None if no candidate is usable."""
+        its prediction, and how many candidates were ranked; None if no candidate is usable.
+        `accept` (costly: a compile) is asked of the best ACCEPT_TRIES in order; the first it
+        accepts wins (none: the best)."""
         cands, near = candidate_tiers(op, p, target, [*extra_winners, *self.winner_configs(op)], usable)
         if not cands:
             return None
-        pred, config = self.select(op, p, cands, near, target)[0]
+        ranked = self.select(op, p, cands, near, target)
+        if accept is not None:
+            for pred, config in ranked[:ACCEPT_TRIES]:
+                if accept(config):
+                    return config, pred, len(cands)
+        pred, config = ranked[0]
         return config, pred, len(cands)
 
 
@@ -972,12 +983,14 @@ def recmod_by_problem(records: Iterable[dict[str, Any]]):
 
 
 def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
-                  usable: Callable[[Config], bool]) -> tuple[Config, Prediction, int, str | None] | None:
+                  usable: Callable[[Config], bool], accept: Callable[[Config], bool] | None = None,
+                  ) -> tuple[Config, Prediction, int, str | None] | None:
     """The dispatcher's question for a problem no usable DB entry covers: the model's best
     candidate (the DB entries' winners of this op on this vendor, nearest problem first, join
     the recorded ones), or a tuned sibling's winner it does not beat by NEAREST_MARGIN; its
     prediction, the candidate count and the sibling's problem key (None: the model's own pick);
-    None without a model."""
+    None without a model. `accept`: the compiled check an untuned pick must pass
+    (`library.spill_free`), asked of the model's best few and of the sibling's winner."""
     model = load()
     if model is None:
         return None
@@ -992,13 +1005,14 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
             extra.append(c)
             if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
-    got = model.choose(op, p, target, lambda c: bool(usable(c)), extra)
+    got = model.choose(op, p, target, lambda c: bool(usable(c)), extra, accept)
     if got is None:
         return None
     if NEAREST_MARGIN is not None:
         # a tuned sibling's winner is the incumbent: the model's pick replaces it only when
         # predicted NEAREST_MARGIN faster (its ranking errors are of that size; see the constant)
-        inc = next(((c, k) for c, k in siblings if op.validate(p, c, target) and usable(c)), None)
+        inc = next(((c, k) for c, k in siblings if op.validate(p, c, target) and usable(c)
+                    and (accept is None or accept(c))), None)
         if inc is not None and inc[0] != got[0]:
             pred_inc = model.predict(op, p, inc[0], target)
             if got[1].total_us >= pred_inc.total_us / (1.0 + NEAREST_MARGIN):

@@ -146,8 +146,11 @@ class Dispatcher:
                 stale = f"tuned entry unusable ({why}); "
         from . import costmodel  # the cost model's pick among every config that won and its neighbours
 
+        from .library import spill_free
+
         picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
-                                         lambda c: self._usable(op, problem, c, target, max_vec) is None)
+                                         lambda c: self._usable(op, problem, c, target, max_vec) is None,
+                                         spill_free(op, problem, target))
         if picked is not None:
             config, pred, n, sibling = picked
             src = render_instance(op, problem, config, target)

@@ -263,6 +263,33 @@ def build(instances: list[Instance], jobs: int | None = None) -> list[Built]:
         return list(ex.map(lambda i: _build_hip(i) if i.target.vendor == "hip" else _build_cuda(i), instances))
 
 
+_SPILLS: dict[str, int | None] = {}
+
+
+def spill_bytes(op: OpSpec, p: Any, config: Config, target: Target) -> int | None:
+    """Spill-store bytes of the instance's kernels as ptxas reports them, compiled here with NVRTC
+    (no GPU needed; remembered per source); None where that cannot be told (a HIP target, no
+    NVRTC, a failed build)."""
+    if target.vendor != "cuda":
+        return None
+    src = render_instance(op, p, config, target)
+    if src.sha256 not in _SPILLS:
+        if nvrtc_missing():
+            return None
+        b = _build_cuda(Instance(op.name, target, config, src, (p.key(),)))
+        _SPILLS[src.sha256] = max((r["spill_stores"] for r in b.report.values()), default=0) if b.ok else None
+    return _SPILLS[src.sha256]
+
+
+def spill_free(op: OpSpec, p: Any, target: Target):
+    """For a problem whose register estimate `validate` cannot trust (`op.spill_prone`), the test
+    an untuned pick must pass: compiled, it spills no registers (a config that cannot be checked
+    passes). None for every other problem: no compile."""
+    if target.vendor != "cuda" or not op.spill_prone(p):
+        return None
+    return lambda c: not spill_bytes(op, p, c, target)
+
+
 def write_reports(built: list[Built], root: Path) -> None:
     groups: dict[tuple[str, str], list[Built]] = {}
     for b in built:

@@ -526,3 +526,26 @@ def test_leave_one_out_pooling_sweeps_floor(sweep_loo):
                    "roofline ranks pooling configs poorly")
 def test_leave_one_out_pooling_model_no_worse_than_nearest(sweep_loo):
     assert _geo([r.model for r in _pool(sweep_loo)]) <= _geo([r.nearest for r in _pool(sweep_loo)])
+
+
+def test_choose_takes_the_first_accepted_of_the_best_few(model_on):
+    """`accept` (the dispatcher's compiled spill check) is asked in ranking order: the first
+    config it accepts wins; if it accepts none of the best ACCEPT_TRIES, the best stands; it is
+    asked of no more than those."""
+    p = GN.parse_problem(N=2, C=96, H=30, W=30, G=8, dtype="fp16", layout="nhwc")
+    usable = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
+    cands, near = costmodel.candidate_tiers(GN, p, SM90, model_on.winner_configs(GN), usable)
+    ranked = [c for _, c in model_on.select(GN, p, cands, near, SM90)]
+    assert len(ranked) > costmodel.ACCEPT_TRIES + 1
+    assert model_on.choose(GN, p, SM90, usable)[0] == ranked[0]
+    asked = []
+
+    def reject_two(c):
+        asked.append(c)
+        return c not in ranked[:2]
+
+    assert model_on.choose(GN, p, SM90, usable, accept=reject_two)[0] == ranked[2]
+    assert asked == ranked[:3]
+    asked.clear()
+    assert model_on.choose(GN, p, SM90, usable, accept=lambda c: asked.append(c) and False)[0] == ranked[0]
+    assert asked == ranked[:costmodel.ACCEPT_TRIES]

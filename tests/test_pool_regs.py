@@ -155,3 +155,57 @@ def test_regs_used_tracks_ptxas_for_occupancy():
     assert used[len(used) // 20] >= 0.75 and used[-len(used) // 20] <= 1.5, (used[len(used) // 20], used[-len(used) // 20])
     err = lambda xs: statistics.mean(abs(math.log(x)) for x in xs)  # noqa: E731
     assert err(used) < err(needed)
+
+
+HELDOUT_IDX = dict(N=32, C=512, H=13, W=13, kernel=3, stride=1, padding=1, dtype="bf16", layout="nhwc",
+                   return_indices=True)
+
+
+@pytest.fixture
+def model_on(monkeypatch):
+    """The packaged model, as a user without CKGEN_MODEL gets it (conftest turns it off)."""
+    import ckgen
+    from ckgen import costmodel
+
+    monkeypatch.delenv("CKGEN_MODEL", raising=False)
+    ckgen.reload_db()
+    yield costmodel.load()
+    ckgen.reload_db()
+
+
+def test_dispatcher_skips_untuned_picks_that_spill(model_on):
+    """The NHWC forward is `spill_prone`: the dispatcher compiles the model's pick (NVRTC, ptxas)
+    and takes the next candidate while it spills. On the held-out max pool with indices the
+    model's unchecked best spills (it ran 2.35x its own best on the H100); the dispatcher's
+    pick must not, and must be the best-ranked candidate that does not."""
+    if library.nvrtc_missing():
+        pytest.skip(library.nvrtc_missing())
+    from ckgen import costmodel
+    from ckgen.dispatch import Dispatcher
+
+    op = get_op("maxpool2d_fwd")
+    p = op.parse_problem(**HELDOUT_IDX)
+    assert op.spill_prone(p) and not op.spill_prone(op.parse_problem(**{**HELDOUT_IDX, "layout": "nchw"}))
+    model = model_on
+    assert model is not None
+    usable = lambda c: bool(op.validate(p, c, SM90))  # noqa: E731 - what the dispatcher adds: vec <= 16 B, always true here
+    unchecked = model.choose(op, p, SM90, usable)[0]
+    assert _spill(op, p, unchecked)[1] > 0, "the unchecked pick no longer spills: find another case"
+    choice = Dispatcher().choose(op, p, SM90)[0]
+    assert choice.source == "model", choice
+    assert _spill(op, p, choice.config)[1] == 0, choice
+    spilling = []
+    for _, c in model.select(op, p, *costmodel.candidate_tiers(op, p, SM90, model.winner_configs(op), usable), SM90):
+        if c == choice.config:
+            break
+        spilling.append(c)
+    assert spilling and all(_spill(op, p, c)[1] > 0 for c in spilling), spilling
+
+
+def test_spill_check_is_offline_and_only_where_asked():
+    """`library.spill_free` compiles only for a `spill_prone` problem on a CUDA target."""
+    op = get_op("maxpool2d_fwd")
+    assert library.spill_free(op, op.parse_problem(**{**HELDOUT_IDX, "layout": "nchw"}), SM90) is None
+    assert library.spill_free(op, op.parse_problem(**HELDOUT_IDX), Target.named("gfx942")) is None
+    assert library.spill_free(get_op("maxpool2d_bwd"), get_op("maxpool2d_bwd").parse_problem(
+        N=2, C=64, H=13, W=13, kernel=3, stride=1, padding=1, dtype="bf16", layout="nhwc"), SM90) is None

@@ -130,6 +130,12 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def validate(self, problem: Any, config: Config, target: Target) -> Support: ...
 
+    def spill_prone(self, problem: Any) -> bool:
+        """True where `validate`'s register estimate is known to admit configs that spill: the
+        dispatcher then compiles an untuned pick (offline, NVRTC) and takes the next candidate
+        while it spills (`library.spill_free`)."""
+        return False
+
     @abc.abstractmethod
     def instance_name(self, problem: Any, config: Config) -> str: ...
 

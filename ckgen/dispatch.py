@@ -148,15 +148,17 @@ class Dispatcher:
 
         from .library import spill_free
 
+        accept = spill_free(op, problem, target)
         picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
-                                         lambda c: self._usable(op, problem, c, target, max_vec) is None,
-                                         spill_free(op, problem, target))
+                                         lambda c: self._usable(op, problem, c, target, max_vec) is None, accept)
         if picked is not None:
             config, pred, n, sibling = picked
             src = render_instance(op, problem, config, target)
             why = (f"the cost model predicts {pred}, best of {n} candidates" if sibling is None else
                    f"keeping the winner of the tuned sibling {sibling} (the cost model predicts {pred}; "
                    f"none of its {n} candidates is predicted {100 * costmodel.NEAREST_MARGIN:.0f}% faster)")
+            if accept is not None and accept.rejected:
+                why += f"; passed over {len(accept.rejected)} that spill registers (ptxas)"
             return Choice(op.name, problem.key(), src.name, config, "model", f"{stale}not tuned; {why}"), src
         near = sorted((e for e in db.select(op.name, target.arch) if e.problem != problem.key()),
                       key=lambda e: op.distance(problem, op.problem_from_key(e.problem)))

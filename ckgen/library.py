@@ -281,13 +281,27 @@ def spill_bytes(op: OpSpec, p: Any, config: Config, target: Target) -> int | Non
     return _SPILLS[src.sha256]
 
 
-def spill_free(op: OpSpec, p: Any, target: Target):
-    """For a problem whose register estimate `validate` cannot trust (`op.spill_prone`), the test
-    an untuned pick must pass: compiled, it spills no registers (a config that cannot be checked
-    passes). None for every other problem: no compile."""
+class SpillFree:
+    """The test an untuned pick must pass: compiled, it spills no registers (a config that cannot
+    be checked passes). `rejected`: the configs it turned down, in the order asked."""
+
+    def __init__(self, op: OpSpec, p: Any, target: Target) -> None:
+        self.op, self.p, self.target = op, p, target
+        self.rejected: list[Config] = []
+
+    def __call__(self, config: Config) -> bool:
+        if spill_bytes(self.op, self.p, config, self.target):
+            self.rejected.append(config)
+            return False
+        return True
+
+
+def spill_free(op: OpSpec, p: Any, target: Target) -> SpillFree | None:
+    """For a problem whose register estimate `validate` cannot trust (`op.spill_prone`), a
+    `SpillFree` test; None for every other problem (no compile)."""
     if target.vendor != "cuda" or not op.spill_prone(p):
         return None
-    return lambda c: not spill_bytes(op, p, c, target)
+    return SpillFree(op, p, target)
 
 
 def write_reports(built: list[Built], root: Path) -> None:

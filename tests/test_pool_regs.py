@@ -193,6 +193,7 @@ def test_dispatcher_skips_untuned_picks_that_spill(model_on):
     assert _spill(op, p, unchecked)[1] > 0, "the unchecked pick no longer spills: find another case"
     choice = Dispatcher().choose(op, p, SM90)[0]
     assert choice.source == "model", choice
+    assert "spill registers" in choice.reason, choice.reason
     assert _spill(op, p, choice.config)[1] == 0, choice
     spilling = []
     for _, c in model.select(op, p, *costmodel.candidate_tiers(op, p, SM90, model.winner_configs(op), usable), SM90):

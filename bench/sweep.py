@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import hashlib
 import json
 import os
@@ -24,14 +25,16 @@ from pathlib import Path
 
 def sweep_name(op, p) -> str:
     digest = hashlib.sha256(p.key().encode()).hexdigest()[:8]
-    return f"sweep-{op.name}-{p.layout}-{p.N}x{p.C}x{p.H}x{p.W}-{digest}.json"
+    return f"sweep-{op.name}-{p.layout}-{p.N}x{p.C}x{p.H}x{p.W}-{digest}.json.gz"
 
 
 def write(path: Path, doc: dict) -> None:
-    """Atomically: an interrupted sweep leaves the last complete chunk behind."""
+    """Atomically, gzipped (ckgen.replay reads .json and .json.gz): an interrupted sweep leaves
+    the last complete chunk behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=0))
+    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=9) as f:
+        f.write(json.dumps(doc, indent=0))
     os.replace(tmp, path)
 
 
@@ -48,7 +51,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--layout", default="nchw")
     ap.add_argument("--activation", default="none")
-    ap.add_argument("--out", help="write sweep-<op>-<layout>-<NxCxHxW>-<key digest>.json here")
+    ap.add_argument("--out", help="write sweep-<op>-<layout>-<NxCxHxW>-<key digest>.json.gz here")
     ap.add_argument("--chunk", type=int, default=256, help="configs per resumable chunk (with --out)")
     a = ap.parse_args()
     from ckgen.bench import Timer
@@ -82,7 +85,9 @@ def main() -> int:
     rows: list = []
     failed: list = []
     if path is not None and exhaustive and path.is_file():  # resume a partial sweep
-        done = json.loads(path.read_text())
+        from ckgen.replay import read_sweep_doc
+
+        done = read_sweep_doc(path)
         if done.get("problem") == p.key() and done.get("arch") == info.target.arch:
             rows, failed = [tuple(r) for r in done["rows"]], [tuple(f) for f in done.get("failed", [])]
     seen = {json.dumps(r[2], sort_keys=True) for r in rows} | {json.dumps(f[0], sort_keys=True) for f in failed}

@@ -11,7 +11,7 @@
 #
 # Then: python3 -m pytest -q -s tests/test_tune_replay.py (replays every complete sweep) and
 # python3 bench/replay_search.py (the sampler comparison). The sweeps of the first format
-# (sweep-nchw-16x512x64x64.json, sweep-nhwc-8x320x64x64.json: merge=cluster only) can be
+# (sweep-nchw-16x512x64x64.json.gz, sweep-nhwc-8x320x64x64.json.gz: merge=cluster only) can be
 # deleted once the groupnorm_fwd ones here are complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."

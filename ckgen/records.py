@@ -220,12 +220,12 @@ def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
     the suite benchmarks (ckgen's pick per shape). Held-out problems are dropped. Sorted, so a
     rebuild gives the same file."""
     from . import db as dbmod
-    from .replay import load_sweep
+    from .replay import load_sweep, sweep_paths
 
     repo = Path(repo)
     heldout = _heldout_keys(repo)
     out: list[dict[str, Any]] = []
-    for path in sorted((repo / "bench" / "results" / "sweeps").glob("sweep-*.json")):
+    for path in sweep_paths(repo / "bench" / "results" / "sweeps"):
         sw = load_sweep(path)
         src = f"bench/results/sweeps/{path.name}"
         for cfg, t in sw.times.items():

@@ -7,6 +7,7 @@ space default's value for it (the only value they were measured with), and a rep
 only the recorded configs (`Sweep.covers`), never guessing times for the rest."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
@@ -46,12 +47,33 @@ class Sweep:
 
     @property
     def name(self) -> str:
-        return self.path.stem
+        return sweep_stem(self.path)
+
+
+def sweep_stem(path: Path) -> str:
+    """A sweep file's name without .json or .json.gz."""
+    name = Path(path).name
+    return name[: -len(".json.gz")] if name.endswith(".json.gz") else Path(name).stem
+
+
+def read_sweep_doc(path: Path | str) -> dict[str, Any]:
+    """A sweep file's JSON: plain (bench/sweep.py while measuring) or gzipped (the repo's)."""
+    path = Path(path)
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
+
+
+def sweep_paths(folder: Path | str, pattern: str = "sweep-*") -> list[Path]:
+    """The sweep files in `folder` matching `pattern` (without the suffix), .json or .json.gz, sorted."""
+    folder = Path(folder)
+    return sorted([*folder.glob(pattern + ".json"), *folder.glob(pattern + ".json.gz")], key=lambda p: p.name)
 
 
 def load_sweep(path: Path | str) -> Sweep:
     path = Path(path)
-    doc = json.loads(path.read_text())
+    doc = read_sweep_doc(path)
     op = get_op(doc.get("op", LEGACY_OP))
     problem = op.problem_from_key(doc["problem"])
     target = Target.named(doc.get("arch", LEGACY_ARCH))
@@ -161,8 +183,7 @@ def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahe
 def sweeps(folder: Path | str) -> list[Sweep]:
     """Every complete sweep in `folder` (a partial one, "complete": false, is still being measured:
     its best is not the exhaustive best)."""
-    return [load_sweep(p) for p in sorted(Path(folder).glob("sweep-*.json"))
-            if json.loads(p.read_text()).get("complete", True)]
+    return [load_sweep(p) for p in sweep_paths(folder) if read_sweep_doc(p).get("complete", True)]
 
 
 class ReplayBackend:

@@ -17,6 +17,7 @@ import pytest
 
 from ckgen.ops import get_op
 from ckgen.ops.groupnorm import MAX_SERIAL_ADDS
+from ckgen.replay import read_sweep_doc, sweep_paths
 from ckgen.types import Target
 
 SWEEPS = Path(__file__).resolve().parents[1] / "bench" / "results" / "sweeps"
@@ -92,9 +93,9 @@ def test_validate_rejects_exactly_the_reload_configs_over_the_limit(key):
 
 def test_the_sweeps_verification_failures_are_now_invalid():
     op = get_op("groupnorm_fwd")
-    paths = sorted(SWEEPS.glob("sweep-groupnorm_fwd-nhwc-1x256x256x256-*.json"))
+    paths = sweep_paths(SWEEPS, "sweep-groupnorm_fwd-nhwc-1x256x256x256-*")
     assert paths, "the large NHWC GroupNorm-forward sweep is missing"
-    doc = json.loads(paths[0].read_text())
+    doc = read_sweep_doc(paths[0])
     p = op.problem_from_key(doc["problem"])
     failed = [c for c, why in doc["failed"] if "mean" in why]
     assert failed

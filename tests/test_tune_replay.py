@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ckgen.replay import load_sweep, replay, sweeps
+from ckgen.replay import load_sweep, replay, sweep_paths, sweeps
 
 SWEEPS = Path(__file__).resolve().parents[1] / "bench" / "results" / "sweeps"
 SEEDS = range(20)
@@ -64,7 +64,7 @@ def test_replay_seeds_from_the_nearest_held_out_problems_never_the_sweeps_own(mo
     exhaustive best) would be its nearest recorded winner."""
     from ckgen import costmodel, records
 
-    path = next(SWEEPS.glob("sweep-maxpool2d_bwd-nchw-*.json"), None)
+    path = next(iter(sweep_paths(SWEEPS, "sweep-maxpool2d_bwd-nchw-*")), None)
     if path is None:
         pytest.skip("no max pool backward NCHW sweep under bench/results/sweeps")
     sw = load_sweep(path)

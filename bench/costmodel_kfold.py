@@ -9,7 +9,8 @@ VARIANT: legacy (the NHWC input counted as 2 vectors, before 2026-11-25), needed
 bound `validate` uses), used (`regs_used`: what the compiler allocates, up to the budget; what
 ckgen uses), samefloor (as used, but every launch of a call costs the first launch's floor and no re-read
 term for the max backward's recompute: the model before 2026-11-25), norecompute (the floor
-split without the recompute term). OPS: comma-separated, or "all".
+split without the recompute term), next025 / next05 / next1 (the further launches' floor pinned at
+0.25 / 0.5 / 1 of the first's, instead of fitted on FLOOR_NEXT_GRID). OPS: comma-separated, or "all".
 Results: bench/results/logs/costmodel-kfold-pool-fwd.txt, costmodel-kfold-2026-11-25.txt."""
 import sys, math, random, collections
 from pathlib import Path
@@ -32,6 +33,8 @@ def needed(op,p,c):
     return max(32, op._regs_needed(p,c))
 if variant=='samefloor':  # every launch of a call costs the same floor (the model before 2026-11-25)
     cm.FLOOR_NEXT_GRID=(1.0,); cm.RECOMPUTE_REREAD=False; variant_regs='used'
+elif variant in ('next025','next05','next1'):  # the further launches' floor pinned at this fraction of the first
+    cm.FLOOR_NEXT_GRID=({'next025':0.25,'next05':0.5,'next1':1.0}[variant],); variant_regs='used'
 elif variant=='norecompute':  # the floor split, but no re-read term for the max backward's recompute
     cm.RECOMPUTE_REREAD=False; variant_regs='used'
 else:

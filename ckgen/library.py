@@ -267,17 +267,24 @@ _SPILLS: dict[str, int | None] = {}
 
 
 def spill_bytes(op: OpSpec, p: Any, config: Config, target: Target) -> int | None:
-    """Spill-store bytes of the instance's kernels as ptxas reports them, compiled here with NVRTC
-    (no GPU needed; remembered per source); None where that cannot be told (a HIP target, no
-    NVRTC, a failed build)."""
+    """Bytes per thread the instance's kernels spill: the stack frame of the cubin that the
+    launch would load (`compile.ensure_cubin`: NVRTC, no GPU needed, into the kernel cache, so
+    an accepted pick is not compiled again), read from the cubin itself (`compile.frame_bytes`);
+    remembered per source. None where that cannot be told (a HIP target, no NVRTC, a failed
+    build). Not from ptxas's -v log: on the H100 machines a second process compiling the same
+    source got no ptxas report (a compile cache), and an empty report read as "no spill"."""
     if target.vendor != "cuda":
         return None
     src = render_instance(op, p, config, target)
     if src.sha256 not in _SPILLS:
         if nvrtc_missing():
             return None
-        b = _build_cuda(Instance(op.name, target, config, src, (p.key(),)))
-        _SPILLS[src.sha256] = max((r["spill_stores"] for r in b.report.values()), default=0) if b.ok else None
+        from .compile import CompileError, ensure_cubin, frame_bytes
+
+        try:
+            _SPILLS[src.sha256] = frame_bytes(ensure_cubin(src, target).read_bytes())
+        except CompileError:
+            _SPILLS[src.sha256] = None
     return _SPILLS[src.sha256]
 
 

@@ -210,3 +210,26 @@ def test_spill_check_is_offline_and_only_where_asked():
     assert library.spill_free(op, op.parse_problem(**HELDOUT_IDX), Target.named("gfx942")) is None
     assert library.spill_free(get_op("maxpool2d_bwd"), get_op("maxpool2d_bwd").parse_problem(
         N=2, C=64, H=13, W=13, kernel=3, stride=1, padding=1, dtype="bf16", layout="nhwc"), SM90) is None
+
+
+def test_frame_bytes_reads_the_cubins_stack_frame():
+    """`compile.frame_bytes` (what the dispatcher's spill check reads, from the cubin itself)
+    equals ptxas's own "bytes stack frame" for a spilling and a fitting instance, and is None
+    for bytes that are not a 64-bit ELF."""
+    if library.nvrtc_missing():
+        pytest.skip(library.nvrtc_missing())
+    from ckgen.compile import compile_offline, frame_bytes
+    from ckgen.instance import render_instance
+
+    op = get_op("maxpool2d_fwd")
+    p = op.parse_problem(**HELDOUT_IDX)
+    seen = set()
+    for cd in (CASES[0][2], CASES[1][2]):
+        c = Config.of(cd)
+        src = render_instance(op, p, c, SM90, check=False)
+        built = library.build([library.Instance(op.name, SM90, c, src, (p.key(),))], jobs=1)[0]
+        stack = max(r["stack_bytes"] for r in built.report.values())
+        assert frame_bytes(compile_offline(src, SM90).cubin) == stack
+        seen.add(stack > 0)
+    assert seen == {True, False}  # one spills, one fits
+    assert frame_bytes(b"not an elf") is None and frame_bytes(b"\x7fELF\x02" + b"\0" * 10) is None

@@ -145,8 +145,7 @@ class Dispatcher:
             else:
                 stale = f"tuned entry unusable ({why}); "
         from . import costmodel  # the cost model's pick among every config that won and its neighbours
-
-        from .library import spill_free
+        from .library import spill_free  # NHWC pooling forward: passes over picks whose cubins spill
 
         accept = spill_free(op, problem, target)
         picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
@@ -158,7 +157,7 @@ class Dispatcher:
                    f"keeping the winner of the tuned sibling {sibling} (the cost model predicts {pred}; "
                    f"none of its {n} candidates is predicted {100 * costmodel.NEAREST_MARGIN:.0f}% faster)")
             if accept is not None and accept.rejected:
-                why += f"; passed over {len(accept.rejected)} that spill registers (ptxas)"
+                why += f"; passed over {len(accept.rejected)} that spill registers (a stack frame in their cubins)"
             return Choice(op.name, problem.key(), src.name, config, "model", f"{stale}not tuned; {why}"), src
         near = sorted((e for e in db.select(op.name, target.arch) if e.problem != problem.key()),
                       key=lambda e: op.distance(problem, op.problem_from_key(e.problem)))

@@ -37,6 +37,7 @@ class Sweep:
     filled: dict[str, Any] = field(default_factory=dict)  # knobs the recording lacks -> value assumed
     unrecorded: int = 0  # valid configs of today's space the sweep does not hold
     num_sms: int = 132
+    complete: bool = True  # False: still being measured (its best is not the exhaustive best)
 
     @property
     def best(self) -> float:
@@ -98,7 +99,7 @@ def load_sweep(path: Path | str) -> Sweep:
     if not times:
         raise ValueError(f"{path}: no recorded config is valid in today's space")
     return Sweep(path, op, problem, target, doc.get("device", "NVIDIA H100 80GB HBM3"), times, failed,
-                 filled, unrecorded, int(doc.get("num_sms", 132)))
+                 filled, unrecorded, int(doc.get("num_sms", 132)), bool(doc.get("complete", True)))
 
 
 class ReplayEvaluator:
@@ -183,7 +184,7 @@ def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahe
 def sweeps(folder: Path | str) -> list[Sweep]:
     """Every complete sweep in `folder` (a partial one, "complete": false, is still being measured:
     its best is not the exhaustive best)."""
-    return [load_sweep(p) for p in sweep_paths(folder) if read_sweep_doc(p).get("complete", True)]
+    return [sw for sw in map(load_sweep, sweep_paths(folder)) if sw.complete]
 
 
 class ReplayBackend:

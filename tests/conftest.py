@@ -62,6 +62,18 @@ def _isolated_db(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def model_on(monkeypatch):
+    """The packaged cost model, as a user without CKGEN_MODEL gets it (`_isolated_db` turns it off)."""
+    import ckgen
+    from ckgen import costmodel
+
+    monkeypatch.delenv("CKGEN_MODEL", raising=False)
+    ckgen.reload_db()
+    yield costmodel.load()
+    ckgen.reload_db()
+
+
+@pytest.fixture
 def inproc(capsys, monkeypatch):
     """Run the CLI's main() in this process; returns (exit code, stdout, stderr)."""
     from rich.console import Console

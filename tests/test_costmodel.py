@@ -32,15 +32,6 @@ SM90 = Target.named("sm_90")
 GN = get_op("groupnorm_fwd")
 
 
-@pytest.fixture
-def model_on(monkeypatch):
-    """The packaged model, as a user without CKGEN_MODEL gets it (conftest turns it off)."""
-    monkeypatch.delenv("CKGEN_MODEL", raising=False)
-    ckgen.reload_db()
-    yield costmodel.load()
-    ckgen.reload_db()
-
-
 def _heldout():
     spec = importlib.util.spec_from_file_location("heldout", ROOT / "bench" / "heldout.py")
     mod = importlib.util.module_from_spec(spec)

@@ -161,18 +161,6 @@ HELDOUT_IDX = dict(N=32, C=512, H=13, W=13, kernel=3, stride=1, padding=1, dtype
                    return_indices=True)
 
 
-@pytest.fixture
-def model_on(monkeypatch):
-    """The packaged model, as a user without CKGEN_MODEL gets it (conftest turns it off)."""
-    import ckgen
-    from ckgen import costmodel
-
-    monkeypatch.delenv("CKGEN_MODEL", raising=False)
-    ckgen.reload_db()
-    yield costmodel.load()
-    ckgen.reload_db()
-
-
 def test_dispatcher_skips_untuned_picks_that_spill(model_on):
     """The NHWC forward is `spill_prone`: the dispatcher compiles the model's pick (NVRTC, ptxas)
     and takes the next candidate while it spills. On the held-out max pool with indices the

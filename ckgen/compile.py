@@ -61,14 +61,13 @@ def compile_offline(src: KernelSource, target: Target) -> Binary:
 
 
 _EIATTR_FRAME_SIZE = 0x11  # .nv.info attribute: a function's stack frame, bytes per thread
+_EIATTR_REGCOUNT = 0x2F  # .nv.info attribute: a function's registers per thread
 
 
-def frame_bytes(cubin: bytes) -> int | None:
-    """The largest stack frame (bytes per thread) of the cubin's functions, from its ELF
-    `.nv.info` section (EIATTR_FRAME_SIZE records: what ptxas -v reports as "bytes stack
-    frame"); None if the cubin cannot be read. ckgen's kernels keep no local arrays, so a frame
-    is spill space: over the 861 sm_90 kernels of generated/, frame > 0 exactly where ptxas
-    reports spill stores."""
+def cubin_attrs(cubin: bytes) -> dict[int, int] | None:
+    """Per .nv.info attribute of the cubin's ELF that holds (symbol, value) pairs, the largest
+    value over its functions (EIATTR_FRAME_SIZE: the stack frame ptxas -v reports, bytes per
+    thread; EIATTR_REGCOUNT: registers per thread); None if the cubin cannot be read."""
     try:
         if cubin[:4] != b"\x7fELF" or cubin[4] != 2:  # 64-bit ELF
             return None
@@ -76,25 +75,33 @@ def frame_bytes(cubin: bytes) -> int | None:
         shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
         heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
         strtab = heads[shstrndx][4]
-        frame = None
+        out: dict[int, int] | None = None
         for h in heads:
             start = strtab + h[0]
             if cubin[start:cubin.index(b"\0", start)] != b".nv.info":
                 continue
-            data, i = cubin[h[4]:h[4] + h[5]], 0
-            frame = 0
+            data, i, out = cubin[h[4]:h[4] + h[5]], 0, {}
             while i + 4 <= len(data):
                 fmt, attr = data[i], data[i + 1]
-                if fmt == 4:  # EIFMT_SVAL: u16 size, payload (here: u32 symbol, u32 value)
+                if fmt == 4:  # EIFMT_SVAL: u16 size, payload (these: u32 symbol, u32 value)
                     size = struct.unpack_from("<H", data, i + 2)[0]
-                    if attr == _EIATTR_FRAME_SIZE and size >= 8:
-                        frame = max(frame, struct.unpack_from("<I", data, i + 8)[0])
+                    if attr in (_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT) and size >= 8:
+                        out[attr] = max(out.get(attr, 0), struct.unpack_from("<I", data, i + 8)[0])
                     i += 4 + size
                 else:  # EIFMT_NVAL / BVAL / HVAL: two bytes of value
                     i += 4
-        return frame
+        return out
     except (struct.error, ValueError, IndexError):
         return None
+
+
+def frame_bytes(cubin: bytes) -> int | None:
+    """The largest stack frame (bytes per thread) of the cubin's functions (`cubin_attrs`); None
+    if the cubin cannot be read. ckgen's kernels keep no local arrays, so a frame is spill
+    space: over the 861 sm_90 kernels of generated/, frame > 0 exactly where ptxas reports
+    spill stores."""
+    attrs = cubin_attrs(cubin)
+    return None if attrs is None else attrs.get(_EIATTR_FRAME_SIZE, 0)
 
 
 def cubin_path(src: KernelSource, arch: str) -> Path:

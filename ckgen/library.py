@@ -167,13 +167,25 @@ def _build_cuda(inst: Instance) -> Built:
         except nvrtc.NVRTCError:
             return Built(inst, False, nvrtc.getProgramLog(prog).strip()[-2000:], {})
         log = nvrtc.getProgramLog(prog)
-        if not nvrtc.getCUBIN(prog):
+        cubin = nvrtc.getCUBIN(prog)
+        if not cubin:
             return Built(inst, False, "empty cubin", {})
     finally:
         nvrtc.destroyProgram(prog)
     report = {m[0]: {"registers": int(m[4]), "spill_stores": int(m[2]), "spill_loads": int(m[3]),
                      "stack_bytes": int(m[1]),
                      "smem_bytes": int(_SMEM.search(m[5]).group(1)) if _SMEM.search(m[5]) else 0} for m in _PTXAS.findall(log)}
+    if not report:  # no ptxas report in the log (on the H100 machines: a source another process compiled
+        # before): what the cubin says, for all its kernels at once; its stack frame stands for
+        # the spill (ckgen's kernels keep no local arrays: a frame is spill space)
+        from .compile import _EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT, cubin_attrs
+
+        attrs = cubin_attrs(cubin)
+        if attrs:
+            frame = attrs.get(_EIATTR_FRAME_SIZE, 0)
+            report = {inst.source.name: {"registers": attrs.get(_EIATTR_REGCOUNT, 0), "spill_stores": frame,
+                                         "spill_loads": frame, "stack_bytes": frame, "smem_bytes": None,
+                                         "from": "cubin (no ptxas report)"}}
     return Built(inst, True, "", report)
 
 

@@ -189,10 +189,8 @@ class _PoolOp(OpSpec):
         return self._fwd_regs(p, config, self._acc_words(p, config))
 
     def spill_prone(self, p: PoolProblem) -> bool:
-        """The NHWC forward: `_fwd_regs` is a bound fitted on recorded instances, and configs near
-        it can still spill (the held-out 32x512x13x13 k3s1 bf16 max pool with indices: its pick,
-        estimated at 120 of 128 registers, compiled to 128 and 36 bytes of spill; 2.35x its own
-        best on the H100)."""
+        """The NHWC forward: `_fwd_regs` is a fitted bound, configs near it can still spill
+        (docs/architecture.md, Pooling forward kernel: Registers)."""
         return not self.backward and p.layout == "nhwc"
 
     def _acc_words(self, p: PoolProblem, config: Config) -> int:

@@ -64,10 +64,13 @@ _EIATTR_FRAME_SIZE = 0x11  # .nv.info attribute: a function's stack frame, bytes
 _EIATTR_REGCOUNT = 0x2F  # .nv.info attribute: a function's registers per thread
 
 
-def cubin_attrs(cubin: bytes) -> dict[int, int] | None:
-    """Per .nv.info attribute of the cubin's ELF that holds (symbol, value) pairs, the largest
-    value over its functions (EIATTR_FRAME_SIZE: the stack frame ptxas -v reports, bytes per
-    thread; EIATTR_REGCOUNT: registers per thread); None if the cubin cannot be read."""
+def cubin_resources(cubin: bytes) -> dict[str, int] | None:
+    """What the cubin's ELF `.nv.info` section says of its functions, the largest over them:
+    "registers" per thread (EIATTR_REGCOUNT) and "stack_bytes", the stack frame ptxas -v reports
+    (EIATTR_FRAME_SIZE); None if the cubin cannot be read. ckgen's kernels keep no local arrays,
+    so a frame is spill space: over the 861 sm_90 kernels of generated/, frame > 0 exactly where
+    ptxas reports spill stores."""
+    keys = {_EIATTR_REGCOUNT: "registers", _EIATTR_FRAME_SIZE: "stack_bytes"}
     try:
         if cubin[:4] != b"\x7fELF" or cubin[4] != 2:  # 64-bit ELF
             return None
@@ -75,18 +78,18 @@ def cubin_attrs(cubin: bytes) -> dict[int, int] | None:
         shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
         heads = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
         strtab = heads[shstrndx][4]
-        out: dict[int, int] | None = None
+        out: dict[str, int] | None = None
         for h in heads:
             start = strtab + h[0]
             if cubin[start:cubin.index(b"\0", start)] != b".nv.info":
                 continue
-            data, i, out = cubin[h[4]:h[4] + h[5]], 0, {}
+            data, i, out = cubin[h[4]:h[4] + h[5]], 0, dict.fromkeys(keys.values(), 0)
             while i + 4 <= len(data):
                 fmt, attr = data[i], data[i + 1]
                 if fmt == 4:  # EIFMT_SVAL: u16 size, payload (these: u32 symbol, u32 value)
                     size = struct.unpack_from("<H", data, i + 2)[0]
-                    if attr in (_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT) and size >= 8:
-                        out[attr] = max(out.get(attr, 0), struct.unpack_from("<I", data, i + 8)[0])
+                    if attr in keys and size >= 8:
+                        out[keys[attr]] = max(out[keys[attr]], struct.unpack_from("<I", data, i + 8)[0])
                     i += 4 + size
                 else:  # EIFMT_NVAL / BVAL / HVAL: two bytes of value
                     i += 4
@@ -96,12 +99,10 @@ def cubin_attrs(cubin: bytes) -> dict[int, int] | None:
 
 
 def frame_bytes(cubin: bytes) -> int | None:
-    """The largest stack frame (bytes per thread) of the cubin's functions (`cubin_attrs`); None
-    if the cubin cannot be read. ckgen's kernels keep no local arrays, so a frame is spill
-    space: over the 861 sm_90 kernels of generated/, frame > 0 exactly where ptxas reports
-    spill stores."""
-    attrs = cubin_attrs(cubin)
-    return None if attrs is None else attrs.get(_EIATTR_FRAME_SIZE, 0)
+    """The largest stack frame (bytes per thread) of the cubin's functions (`cubin_resources`),
+    spill space for ckgen's kernels; None if the cubin cannot be read."""
+    res = cubin_resources(cubin)
+    return None if res is None else res["stack_bytes"]
 
 
 def cubin_path(src: KernelSource, arch: str) -> Path:

@@ -178,13 +178,12 @@ def _build_cuda(inst: Instance) -> Built:
     if not report:  # no ptxas report in the log (on the H100 machines: a source another process compiled
         # before): what the cubin says, for all its kernels at once; its stack frame stands for
         # the spill (ckgen's kernels keep no local arrays: a frame is spill space)
-        from .compile import _EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT, cubin_attrs
+        from .compile import cubin_resources
 
-        attrs = cubin_attrs(cubin)
-        if attrs:
-            frame = attrs.get(_EIATTR_FRAME_SIZE, 0)
-            report = {inst.source.name: {"registers": attrs.get(_EIATTR_REGCOUNT, 0), "spill_stores": frame,
-                                         "spill_loads": frame, "stack_bytes": frame, "smem_bytes": None,
+        res = cubin_resources(cubin)
+        if res is not None:
+            frame = res["stack_bytes"]
+            report = {inst.source.name: {**res, "spill_stores": frame, "spill_loads": frame, "smem_bytes": None,
                                          "from": "cubin (no ptxas report)"}}
     return Built(inst, True, "", report)
 

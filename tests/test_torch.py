@@ -775,7 +775,25 @@ def test_compile_sees_the_custom_ops(route_cpu):
     targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     for name in ("groupnorm_fwd", "maxpool2d_fwd_with_indices", "avgpool2d_fwd", "groupnorm_bwd", "maxpool2d_bwd",
                  "avgpool2d_bwd"):
-        assert any(f"ckgen.{name}" in t for t in targets), (name, targets)
+        assert f"ckgen.{name}.kernel" in targets, (name, targets)
+    # the AOT graphs call the overloads with no Python autograd kernel (see ops._Op)
+    assert not [t for t in targets if t.startswith("ckgen.") and not t.endswith(".kernel")], targets
+
+
+def test_the_kernel_overload_has_no_autograd_kernel_of_its_own():
+    """`.default` has ckgen's Python autograd kernel; `.kernel` leaves the Autograd key to
+    PyTorch's C++ fallback, and has the same schema and CPU, CUDA and fake kernels."""
+    for name, op in O.ALL_OPS.items():
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.default._name, "Autograd"), name
+        kern = op.kernel
+        assert str(kern._schema).replace(f"{name}.kernel(", f"{name}(", 1) == str(op.default._schema), name
+        for key in ("CPU", "CUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(kern.name(), key), (name, key)
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(kern.name(), "Autograd"), name
+    x = _x((2, 8, 6, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(O.maxpool2d_fwd.kernel(x, [2, 2], [2, 2], [0, 0], [1, 1], False),
+                                   O.maxpool2d_fwd.default(x, [2, 2], [2, 2], [0, 0], [1, 1], False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -972,3 +990,30 @@ def test_pool_call_cache_keeps_the_answers_of_the_checks():
         assert "CPU tensor" in CF._pool_call("avg", x, 2, 2, 0, 1, False).why
     finally:
         CF._ROUTE_CPU = route
+
+
+def test_pool_ops_cache_the_answer_by_their_arguments(monkeypatch):
+    """The pooling ops' CUDA implementations ask `_not_served` once per argument signature
+    (kernel sizes as lists or tuples alike), and clearing `_served` forgets those answers too."""
+    from ckgen import target as target_mod
+    from ckgen.ops.spec import Target
+
+    monkeypatch.setattr(target_mod, "device_info",
+                        lambda i=None: target_mod.DeviceInfo(Target.named("sm_90"), "fake H100", 132, 50 << 20))
+    O._served.clear()
+    asked = []
+    real = O._not_served
+    monkeypatch.setattr(O, "_not_served", lambda op, x, **f: asked.append((op, f)) or real(op, x, **f))
+    x = torch.empty(2, 64, 8, 8, dtype=torch.bfloat16).contiguous(memory_format=CL)
+    for k in ([3, 3], (3, 3), [3, 3]):
+        assert O._pool_not_served("maxpool2d_fwd", x, tuple(k), (2, 2), (1, 1), (1, 1), False,
+                                  (("return_indices", True),)) is None
+    assert len(asked) == 1 and asked[0][1]["kernel"] == (3, 3) and asked[0][1]["return_indices"] is True
+    O._pool_not_served("maxpool2d_fwd", x, (3, 3), (2, 2), (1, 1), (1, 1), False, (("return_indices", False),))
+    O._pool_not_served("avgpool2d_fwd", x, (3, 3), (2, 2), (1, 1), None, False,
+                       (("count_include_pad", True), ("divisor_override", None)))
+    assert len(asked) == 3 and "dilation" not in asked[2][1] and asked[2][1]["count_include_pad"] is True
+    O._served.clear()
+    O._pool_not_served("maxpool2d_fwd", x, (3, 3), (2, 2), (1, 1), (1, 1), False, (("return_indices", True),))
+    assert len(asked) == 4
+    O._served.clear()

@@ -552,7 +552,8 @@ def test_compiled_graph_holds_the_ckgen_ops():
     torch.compile(m, fullgraph=True, backend=backend)(x).sum().backward()
     for name in ("groupnorm_fwd", "groupnorm_bwd", "maxpool2d_fwd_with_indices", "maxpool2d_bwd", "avgpool2d_fwd",
                  "avgpool2d_bwd"):
-        assert any(f"ckgen.{name}" in t for t in seen), name
+        assert f"ckgen.{name}.kernel" in seen, (name, seen)
+    assert not [t for t in seen if t.startswith("ckgen.") and not t.endswith(".kernel")], seen
     assert not any("native_group_norm" in t or ("max_pool2d" in t and "ckgen" not in t) for t in seen), seen
 
 

@@ -3,7 +3,7 @@ forward instance in a records file is compiled with NVRTC for sm_90 at its own l
 (`ptxas -v`: registers, spill-store bytes), with today's `_regs_needed` estimate beside it,
 and joined with the records' H100 times (`best_ratio`: the instance's best time over the fastest
 recorded config of its problem; `wins`: the problems it was fastest on). One JSON line per
-instance in bench/results/logs/pool-spill-sm90-nvrtc.jsonl; resumes where it stopped (the join
+instance in bench/results/logs/pool-spill-sm90-nvrtc.jsonl.gz; resumes where it stopped (the join
 is redone for every line).
 
     PYTHONPATH=. python3 tools/pool-spill-study.py [--records FILE] [--workers N]
@@ -13,19 +13,22 @@ The records default to the shipped ones. An instance no longer in them (a refit 
 tests/test_pool_regs.py reads the output. Findings (2026-11-25, 3,442 instances of the
 67,098-record set): 439 spill; none of them was any problem's fastest; their median best_ratio
 is 1.38 against 1.18 for the rest. With the Inception average pools' records (3,818 instances):
-448 spill, still none the fastest (median 1.37 against 1.16); `validate` admits 144 of them."""
+448 spill, still none the fastest (median 1.37 against 1.16); `validate` admits 144 of them. With
+the DenseNet average pools' records (3,989 instances): 457 spill, none the fastest (median 1.36
+against 1.15); `validate` admits 153."""
 from __future__ import annotations
 
 import argparse
 import collections
 import concurrent.futures as cf
+import gzip
 import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-OUT = ROOT / "bench" / "results" / "logs" / "pool-spill-sm90-nvrtc.jsonl"
+OUT = ROOT / "bench" / "results" / "logs" / "pool-spill-sm90-nvrtc.jsonl.gz"
 OPS = ("maxpool2d_fwd", "avgpool2d_fwd")
 
 
@@ -71,7 +74,7 @@ def main() -> int:
             ratios[name].append((r["time_us"] / best[(r["op"], r["problem"])], r["problem"]))
     rows = {}
     if OUT.exists():
-        rows = {d["instance"]: d for d in map(json.loads, OUT.read_text().splitlines())}
+        rows = {d["instance"]: d for d in map(json.loads, gzip.decompress(OUT.read_bytes()).decode().splitlines())}
     todo = [j for n, j in sorted(jobs.items()) if n not in rows]
     print(f"{len(jobs)} instances; {len(todo)} to build", file=sys.stderr, flush=True)
     with cf.ProcessPoolExecutor(args.workers) as ex:
@@ -80,19 +83,20 @@ def main() -> int:
                 rows[d["instance"]] = d
             if i % 200 == 199:
                 print(f"  {i + 1}/{len(todo)}", file=sys.stderr, flush=True)
-    with open(OUT, "w") as f:
-        for name in sorted(rows):
-            d = rows[name]
-            op = get_op(d["op"])
-            d["est"] = op._regs_needed(op.problem_from_key(d["problem"]), Config.of(d["config"]))  # today's
-            rs = ratios.get(name, [])
-            if rs:
-                d["best_ratio"] = round(min(x for x, _ in rs), 4)
-                d["wins"] = sorted({k for x, k in rs if x <= 1.0})
-            else:  # not in these records (a refit dropped configs validate now rejects): keep the join made with the records that had it
-                d.setdefault("best_ratio", None)
-                d.setdefault("wins", [])
-            f.write(json.dumps(d) + "\n")
+    lines = []
+    for name in sorted(rows):
+        d = rows[name]
+        op = get_op(d["op"])
+        d["est"] = op._regs_needed(op.problem_from_key(d["problem"]), Config.of(d["config"]))  # today's
+        rs = ratios.get(name, [])
+        if rs:
+            d["best_ratio"] = round(min(x for x, _ in rs), 4)
+            d["wins"] = sorted({k for x, k in rs if x <= 1.0})
+        else:  # not in these records (a refit dropped configs validate now rejects): keep the join made with the records that had it
+            d.setdefault("best_ratio", None)
+            d.setdefault("wins", [])
+        lines.append(json.dumps(d) + "\n")
+    OUT.write_bytes(gzip.compress("".join(lines).encode(), compresslevel=9, mtime=0))  # deterministic bytes
     spill = [d for d in rows.values() if d["spill"] > 0]
     print(f"wrote {OUT}: {len(rows)} instances, {len(spill)} spill", file=sys.stderr)
     return 0

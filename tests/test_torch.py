@@ -794,6 +794,14 @@ def test_the_kernel_overload_has_no_autograd_kernel_of_its_own():
     with torch.no_grad():
         torch.testing.assert_close(O.maxpool2d_fwd.kernel(x, [2, 2], [2, 2], [0, 0], [1, 1], False),
                                    O.maxpool2d_fwd.default(x, [2, 2], [2, 2], [0, 0], [1, 1], False))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fx = torch.empty(2, 8, 6, 6).contiguous(memory_format=CL)
+        for overload in (O.maxpool2d_fwd_with_indices.kernel, O.maxpool2d_fwd_with_indices.default):
+            y, idx = overload(fx, [2, 2], [2, 2], [0, 0], [1, 1], False)
+            assert y.shape == idx.shape == (2, 8, 3, 3) and idx.dtype == torch.int64
+            assert y.is_contiguous(memory_format=CL)
 
 
 # ---------------------------------------------------------------------------------------------

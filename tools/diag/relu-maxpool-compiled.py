@@ -1,9 +1,15 @@
-"""Compiled ct.ReLUMaxPool2d fwd+bwd: why slower than compiled ct.MaxPool2d by far more than a relu? Variants, output code, trace."""
+"""Compiled ct.ReLUMaxPool2d fwd+bwd: why slower than compiled ct.MaxPool2d by far more than a relu? Variants, output code, trace.
+
+    python3 tools/diag/relu-maxpool-compiled.py OUT.txt [VARIANT]
+
+With VARIANT (a key of `variants`), only that one, in this process: the ckgen modules of one class
+share a forward code object, so compiling several instances in one process stacks Dynamo cache
+entries (a guard on `self.indices` recompiles) that every call then walks."""
 import sys, time, gzip, json, os
 import torch, torch.nn as nn, torch.nn.functional as F
 import ckgen.torch as ct
 from torch.profiler import profile, ProfilerActivity
-out = open(sys.argv[1], "w")
+out = open(sys.argv[1], "a")
 def P(*a): print(*a, file=out, flush=True)
 dev = torch.device("cuda")
 x = torch.randn(2, 64, 56, 56, device=dev, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
@@ -32,11 +38,14 @@ variants = {
     "ct.MaxPool2d then relu (lambda)": (lambda m: (lambda t: torch.relu(m(t))))(ct.MaxPool2d(2, 2)),
     "nn relu+maxpool": lambda t: F.max_pool2d(F.relu(t), 2, 2),
 }
+only = sys.argv[2] if len(sys.argv) > 2 else None
+if only:
+    variants = {only: variants[only]}
 steps = {k: stepf(torch.compile(v, fullgraph=True)) for k, v in variants.items()}
 for rep in range(2):
     for k, st in steps.items():
         P(f"rep {rep} compiled {k:40s} {bench(st):8.1f} us")
-for k in ("ct.ReLUMaxPool2d", "ct.MaxPool2d"):
+for k in ([] if only else ["ct.ReLUMaxPool2d", "ct.MaxPool2d"]):
     st = steps[k]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5): st()

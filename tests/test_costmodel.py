@@ -356,7 +356,11 @@ def test_heldout_problems_are_not_in_the_training_records():
         op, p = h.problem_of(case)
         assert (op.name, p.key()) not in trained, f"held-out {op.name} {p.key()} is in the training records"
     model = json.loads(costmodel.packaged_model_path().read_text())
-    assert model["stats"]["problems"] == len({(r["op"], r["arch"], r["problem"]) for r in shipped})
+    # the fit learns from timed records: a problem whose every trial failed (grid-s4's max pool
+    # bwd 16x512x20x20 k5 s1 fp32 NHWC, which the fixed fp32 tolerance rejected) brings none
+    timed = {(r["op"], r["arch"], r["problem"]) for r in shipped if r.get("ok")}
+    assert model["stats"]["problems"] == len(timed)
+    assert len({(r["op"], r["arch"], r["problem"]) for r in shipped}) - len(timed) <= 1
 
 
 def test_shipped_records_hold_every_shipped_db_winner():

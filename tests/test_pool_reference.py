@@ -264,3 +264,42 @@ def test_canonical_stride_problems_match_the_direct_loop_with_the_given_stride(c
                                     padding=p, ceil_mode=ceil, count_include_pad=cip)
             np.testing.assert_allclose(avgpool2d_reference(ap, x), direct_avg(x, k, s, p, ceil, cip, None),
                                        rtol=1e-14, atol=1e-14)
+
+
+def test_maxpool_bwd_fp32_tolerance_covers_an_fp32_accumulation_of_overlapping_windows():
+    """The fp32 backward sums, per input element, the dy of every window whose argmax it is. The
+    verification tolerance grows with how many windows can cover one element (`max.overlap`):
+    the sum done in float32, one window at a time in output order (as a gather kernel adds
+    them), passes it on tie-heavy inputs, and the bound on windows is met by a direct count."""
+    from ckgen.ops.numeric import max_violation
+    from ckgen.ops.pool.max import overlap
+
+    op = get_op("maxpool2d_bwd")
+    for kw in (dict(kernel=5, stride=1, padding=2), dict(kernel=3, stride=2, padding=1),
+               dict(kernel=(3, 2), stride=(1, 2), padding=(1, 0), dilation=(2, 1))):
+        p = op.parse_problem(N=2, C=8, H=20, W=20, dtype="fp32", layout="nchw", indices="stored", **kw)
+        inputs = op.make_inputs(p, np.random.default_rng(3))
+        idx, dy = inputs["indices"].reshape(p.N * p.C, -1), inputs["dy"].reshape(p.N * p.C, -1)
+        covered = np.zeros((p.N * p.C, p.H * p.W), dtype=np.int64)
+        dx32 = np.zeros((p.N * p.C, p.H * p.W), dtype=np.float32)
+        for o in range(idx.shape[1]):  # one window at a time: float32 adds, like the kernel's
+            rows = np.arange(idx.shape[0])
+            ok = idx[:, o] >= 0
+            dx32[rows[ok], idx[ok, o]] += dy[ok, o].astype(np.float32)
+        # every window covering an element: a direct count over the window positions
+        for oh in range(p.OH):
+            for ow in range(p.OW):
+                for i in range(p.kernel[0]):
+                    for j in range(p.kernel[1]):
+                        h = oh * p.stride[0] - p.padding[0] + i * p.dilation[0]
+                        w = ow * p.stride[1] - p.padding[1] + j * p.dilation[1]
+                        if 0 <= h < p.H and 0 <= w < p.W:
+                            covered[0, h * p.W + w] += 1
+        assert covered.max() <= overlap(p), (kw, covered.max(), overlap(p))
+        ref = op.reference(p, inputs)["dx"]
+        tol = op.problem_tolerance(p, "dx")
+        assert max_violation(dx32.reshape(ref.shape), ref, tol.atol, tol.rtol) <= 1.0, kw
+    fp16 = op.parse_problem(N=1, C=1, H=20, W=20, dtype="fp16", layout="nchw", kernel=5, stride=1, padding=2)
+    assert op.problem_tolerance(fp16, "dx") == op.tolerance("fp16", "dx")
+    k2s2 = op.parse_problem(N=1, C=1, H=20, W=20, dtype="fp32", layout="nchw", kernel=2, stride=2)
+    assert overlap(k2s2) == 1 and op.problem_tolerance(k2s2, "dx") == op.tolerance("fp32", "dx")

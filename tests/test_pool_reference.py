@@ -268,11 +268,11 @@ def test_canonical_stride_problems_match_the_direct_loop_with_the_given_stride(c
 
 def test_maxpool_bwd_fp32_tolerance_covers_an_fp32_accumulation_of_overlapping_windows():
     """The fp32 backward sums, per input element, the dy of every window whose argmax it is. The
-    verification tolerance grows with how many windows can cover one element (`max.overlap`):
+    verification tolerance grows with how many windows can cover one element
+    (`PoolProblem.windows_per_element`):
     the sum done in float32, one window at a time in output order (as a gather kernel adds
-    them), passes it on tie-heavy inputs, and the bound on windows is met by a direct count."""
+    them), passes it on tie-heavy inputs, and that count is the direct count's maximum."""
     from ckgen.ops.numeric import max_violation
-    from ckgen.ops.pool.max import overlap
 
     op = get_op("maxpool2d_bwd")
     for kw in (dict(kernel=5, stride=1, padding=2), dict(kernel=3, stride=2, padding=1),
@@ -295,11 +295,11 @@ def test_maxpool_bwd_fp32_tolerance_covers_an_fp32_accumulation_of_overlapping_w
                         w = ow * p.stride[1] - p.padding[1] + j * p.dilation[1]
                         if 0 <= h < p.H and 0 <= w < p.W:
                             covered[0, h * p.W + w] += 1
-        assert covered.max() <= overlap(p), (kw, covered.max(), overlap(p))
+        assert covered.max() == p.windows_per_element, (kw, covered.max(), p.windows_per_element)
         ref = op.reference(p, inputs)["dx"]
         tol = op.problem_tolerance(p, "dx")
         assert max_violation(dx32.reshape(ref.shape), ref, tol.atol, tol.rtol) <= 1.0, kw
     fp16 = op.parse_problem(N=1, C=1, H=20, W=20, dtype="fp16", layout="nchw", kernel=5, stride=1, padding=2)
     assert op.problem_tolerance(fp16, "dx") == op.tolerance("fp16", "dx")
     k2s2 = op.parse_problem(N=1, C=1, H=20, W=20, dtype="fp32", layout="nchw", kernel=2, stride=2)
-    assert overlap(k2s2) == 1 and op.problem_tolerance(k2s2, "dx") == op.tolerance("fp32", "dx")
+    assert k2s2.windows_per_element == 1 and op.problem_tolerance(k2s2, "dx") == op.tolerance("fp32", "dx")

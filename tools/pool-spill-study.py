@@ -83,7 +83,6 @@ def main() -> int:
                 rows[d["instance"]] = d
             if i % 200 == 199:
                 print(f"  {i + 1}/{len(todo)}", file=sys.stderr, flush=True)
-    lines = []
     for name in sorted(rows):
         d = rows[name]
         op = get_op(d["op"])
@@ -95,8 +94,7 @@ def main() -> int:
         else:  # not in these records (a refit dropped configs validate now rejects): keep the join made with the records that had it
             d.setdefault("best_ratio", None)
             d.setdefault("wins", [])
-        lines.append(json.dumps(d) + "\n")
-    OUT.write_bytes(gzip.compress("".join(lines).encode(), compresslevel=9, mtime=0))  # deterministic bytes
+    records.write_gz(OUT, (rows[name] for name in sorted(rows)))  # deterministic bytes
     spill = [d for d in rows.values() if d["spill"] > 0]
     print(f"wrote {OUT}: {len(rows)} instances, {len(spill)} spill", file=sys.stderr)
     return 0

@@ -11,7 +11,7 @@ from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import from_storage, to_storage
 from ..spec import OpSpec, full_shapes
-from .problem import PoolProblem
+from .problem import PoolProblem, covering
 
 _U32 = 2**32
 _I32 = 2**31
@@ -137,10 +137,8 @@ class _PoolOp(OpSpec):
     def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
         """Aligned gather, per tile position t along `axis` (0: H, 1: W): the outputs whose
         windows cover it, as offsets from tile_start / stride, ascending (PyTorch's order)."""
-        t_n = self.tile(config)[axis]
         k, s, pad, d = p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis]
-        return [sorted({(t + pad - i * d) // s for i in range(k) if (t + pad - i * d) % s == 0})
-                for t in range(t_n)]
+        return [covering(k, s, pad, d, t) for t in range(self.tile(config)[axis])]
 
     def tile(self, config: Config) -> tuple[int, int]:
         """(rows, cols) of the positions one thread computes: outputs (forward) or inputs (gather)."""

@@ -14,6 +14,12 @@ from ..spec import Problem, check_choice, check_flag, check_int
 Pair = tuple[int, int]
 
 
+def covering(k: int, s: int, pad: int, d: int, t: int) -> list[int]:
+    """Along one axis, the outputs whose windows cover input position t (kernel k, stride s,
+    padding pad, dilation d), as (t + pad - i*d) // s, ascending; border clipping ignored."""
+    return sorted({(t + pad - i * d) // s for i in range(k) if (t + pad - i * d) % s == 0})
+
+
 def _pair(v: Any, arg: str, *, allow_zero: bool = False) -> Pair:
     """int or (int, int) -> (int, int), each in [0 or 1, 2^31-1] (a kernel's `constexpr int`);
     ValueError naming `arg` otherwise. NumPy integers are ints."""
@@ -134,6 +140,15 @@ class PoolProblem(Problem):
         """Do neighbouring windows share input elements? (stride < effective kernel)"""
         ek = self.eff_kernel
         return self.stride[0] < ek[0] or self.stride[1] < ek[1]
+
+    @property
+    def windows_per_element(self) -> int:
+        """The most windows one input element lies in (away from the borders): per axis, the
+        largest `covering` over one stride period."""
+        n = 1
+        for k, s, pad, d in zip(self.kernel, self.stride, self.padding, self.dilation):
+            n *= max(len(covering(k, s, pad, d, t)) for t in range(s))
+        return n
 
     @property
     def numel(self) -> int:

@@ -73,11 +73,8 @@ def reg(lib, overload, fn):
     allowed)."""
     try:
         lib.impl(overload, fn, "CUDA", allow_override=True)
-    except TypeError:  # an older torch: no allow_override
-        torch.library._impls.discard(f"ckgen::{overload.replace('.', '.')}/CUDA")
-        for k in [k for k in torch.library._impls if k.startswith(f"ckgen::{overload.split('.')[0]}")]:
-            torch.library._impls.discard(k)
-        lib.impl(overload, fn, "CUDA")
+    except TypeError as e:
+        raise SystemExit(f"this diagnosis needs a torch whose Library.impl takes allow_override ({e})")
 
 
 lib = torch.library.Library("ckgen", "IMPL")

@@ -1,7 +1,11 @@
 """Host-inclusive time per call (back to back, no flush) and GPU time of ckgen.groupnorm_bwd on the
 held-out 2x48x33x17 G=1 bf16 NCHW, with whatever the DB in effect picks (run once with the shipped
-DB, once with the own-best DB as CKGEN_DB)."""
-import os, sys, time, torch, ckgen
+DB, once with the own-best DB as CKGEN_DB):
+
+    python3 tools/diag/groupnorm-bwd-pick-vs-own-host.py
+    CKGEN_DB=bench/results/heldout/own-best-db-NVIDIA-H100-80GB-HBM3.yaml python3 tools/diag/groupnorm-bwd-pick-vs-own-host.py
+"""
+import os, time, torch, ckgen
 dev = torch.device("cuda")
 torch.manual_seed(0)
 x = torch.randn(2, 48, 33, 17, device=dev, dtype=torch.bfloat16)

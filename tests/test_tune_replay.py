@@ -20,9 +20,9 @@ model; with the nearest recorded problems' winners seeded too (`tune.model_picks
 floors at today's level guard against regressions.
 
 The counts and percentages in the docstrings and xfail reasons below were tabulated with the
-grid-s3 model (72,881 usable records). The grid-s4 refit (75,573) keeps every test's outcome
-(the CI-equivalent run on 421ab92: these pass, and the three strict xfails still fail), but its
-table was not printed again."""
+grid-s3 model (72,881 usable records). The grid-s4 refit (75,573) and the grid-s5/s6 refit
+(84,410) keep every test's outcome (CI-equivalent runs on 421ab92 and 95b689b: these pass, and
+the three strict xfails still fail), but their tables were not printed again."""
 from __future__ import annotations
 
 import statistics

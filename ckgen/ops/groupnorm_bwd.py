@@ -13,7 +13,7 @@ from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
 _INT32_MAX = 2**31 - 1
 MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)
-NCHW_STEP_VECTORS = 2048  # NCHW single_pass: per-vector partials in shared memory
+NCHW_STEP_VECTORS = 4096  # NCHW single_pass: per-vector partials in shared memory (2 x 16 KB)
 DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (see the template)
 
 

@@ -50,7 +50,9 @@ def test_packaged_model_loads_fast_without_a_gpu(model_on):
     took = time.perf_counter() - t0
     assert isinstance(model, costmodel.CostModel)
     print(f"\ncost model: {model.summary()}; loaded in {1e3 * took:.1f} ms")
-    assert took < 0.2  # ~500 KB of JSON, most of it the residual table in flat lists (about 15 ms here)
+    # ~2.2 MB of JSON (1,303 recorded problems), most of it the residual table in flat lists: 60-75 ms
+    # on a 2-core machine; over 0.2 s once in this session, with two other fits running beside it
+    assert took < 0.2
     assert model.stats["devices"] == ["NVIDIA H100 80GB HBM3"]
 
 
@@ -467,10 +469,12 @@ def test_leave_one_out_on_the_recorded_sweeps(sweep_loo):
     nearest-tuned fallback and the default, as multiples of the sweep's best.
 
     Measured (22 H100 sweeps: 8 GroupNorm fwd, 6 GroupNorm bwd, 8 pooling; the model with the
-    measured correction, 84,410 usable records (grid-s6), pooling occupancy from `regs_used`, a
-    call's further launches at their own floor): the pick 1.162x the best (geomean; GroupNorm
-    1.178x, pooling 1.134x), nearest-tuned GroupNorm 1.083x; worst pick 1.901x (GroupNorm fwd
-    NHWC 1x256x256x256). With 75,573 usable records (grid-s4, before the first records with
+    measured correction, 88,544 usable records (grid-s7, and the GroupNorm bwd NCHW single_pass
+    bound at 4096 vectors), pooling occupancy from `regs_used`, a call's further launches at their
+    own floor): the pick 1.141x the best (geomean; GroupNorm 1.144x, pooling 1.136x), nearest-tuned
+    GroupNorm 1.083x; worst pick 1.901x (GroupNorm fwd NHWC 1x256x256x256). With 84,410 usable
+    records (grid-s6): 1.162x (GroupNorm 1.178x, pooling 1.134x), worst 1.901x (the same sweep).
+    With 75,573 usable records (grid-s4, before the first records with
     fewer than 32 (n, g) slices): 1.129x (GroupNorm 1.128x, pooling 1.132x), nearest-tuned
     GroupNorm 1.098x, worst 1.476x (the same sweep). With 72,881 usable records (grid-s3): 1.147x (GroupNorm 1.150x, pooling
     1.141x), nearest-tuned GroupNorm 1.103x, worst 1.639x (the same sweep). With 70,543 usable records (before the grid-s3 tuning): 1.125x (GroupNorm
@@ -496,18 +500,17 @@ def test_leave_one_out_groupnorm_nchw_picks_within_1_5x(sweep_loo):
         {k: r.model for k, r in sweep_loo.items() if r.layout == "nchw"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: on the GroupNorm sweeps the model's picks (1.178x the best, geomean "
+@pytest.mark.xfail(strict=True, reason="issue 11: on the GroupNorm sweeps the model's picks (1.144x the best, geomean "
                    "over 14) are worse than the nearest recorded winner's (1.083x); with 2 sweeps they were no worse")
 def test_leave_one_out_groupnorm_model_no_worse_than_nearest(sweep_loo):
     assert _geo([r.model for r in _gn(sweep_loo)]) <= _geo([r.nearest for r in _gn(sweep_loo)]) + 1e-9
 
 
-@pytest.mark.xfail(strict=True, reason="issue 11: the old NHWC 8x320x64x64 sweep held out, the model's pick is "
-                   "1.520x its best with the grid-s5/s6 records (84,410 usable); it has moved between 1.000x and "
-                   "1.520x from refit to refit")
 def test_leave_one_out_nhwc_sweep_pick_within_1_5x(sweep_loo):
-    """The old NHWC 8x320x64x64 sweep held out: the model's pick within 1.5x its best. 1.520x
-    with the grid-s5 and grid-s6 records (80,252 and 84,410 usable: the first with fewer than 32
+    """The old NHWC 8x320x64x64 sweep held out: the model's pick within 1.5x its best. 1.000x
+    with the grid-s7 records (88,544 usable; a plain test again, no longer a strict xfail). This
+    pick has flipped between 1.000x and 1.520x from refit to refit, so a refit that fails here
+    needs a look, not a new xfail by reflex. 1.520x with the grid-s5 and grid-s6 records (80,252 and 84,410 usable: the first with fewer than 32
     (n, g) slices); 1.000x with 75,573 usable records (grid-s4); 1.520x with the grid-s3 records
     (72,881); 1.469x with 70,543 usable records; 1.520x with 67,098 records and the old pooling
     register estimate, 1.504x after the broad-grid refit, under 1.5x with 62,548."""

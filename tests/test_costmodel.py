@@ -51,7 +51,7 @@ def test_packaged_model_loads_fast_without_a_gpu(model_on):
     assert isinstance(model, costmodel.CostModel)
     print(f"\ncost model: {model.summary()}; loaded in {1e3 * took:.1f} ms")
     # ~2.2 MB of JSON (1,303 recorded problems), most of it the residual table in flat lists: 60-75 ms
-    # on a 2-core machine; over 0.2 s once in this session, with two other fits running beside it
+    # on a 2-core machine with another test run beside it
     assert took < 0.2
     assert model.stats["devices"] == ["NVIDIA H100 80GB HBM3"]
 

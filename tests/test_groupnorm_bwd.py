@@ -98,6 +98,24 @@ def test_validate_reasons():
         assert isinstance(op.validate(q, c, gfx942).ok, bool)
 
 
+def test_single_pass_nchw_per_vector_partials_bound():
+    """NCHW single_pass keeps one partial pair per held vector in shared memory: up to
+    NCHW_STEP_VECTORS = 4096 (2 x 16 KB static). On the held-out-like 2x48x33x17 G=1 bf16 shape
+    (odd H*W: scalar loads), t1024 i4 s8 holds its cluster share of 3,366 vectors in 4096 slots
+    and is valid (the H100 sweep's fastest config there: 13.2 us); t1024 i8 needs 8192 slots and
+    is rejected, naming the bound; the valid one builds offline for sm_90."""
+    from ckgen.ops.groupnorm_bwd import NCHW_STEP_VECTORS
+
+    assert NCHW_STEP_VECTORS == 4096
+    op, sm90 = get_op("groupnorm_bwd"), Target.named("sm_90")
+    p = op.parse_problem(N=2, C=48, H=33, W=17, G=1, dtype="bf16", layout="nchw")
+    held = op.space.default.replace(scheme="single_pass", split=8, threads=1024, items=4, vec_bytes=2, min_blocks=1)
+    assert op.validate(p, held, sm90)
+    why = op.validate(p, held.replace(items=8), sm90)
+    assert not why and "exceeds 4096 per-vector partials" in why.reason
+    assert compile_offline(render_instance(op, p, held, sm90), sm90).cubin
+
+
 @pytest.mark.parametrize("name,kernels", [
     ("groupnorm_bwd", {"fused": ["", "_dgb"], "single_pass": ["", "_dgb"], "multi_stage": ["_stats", "", "_dgb"]}),
     ("groupnorm_bwd_data", {"fused": [""], "single_pass": [""], "multi_stage": ["_stats", ""]}),

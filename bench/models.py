@@ -16,6 +16,9 @@ Columns, all in one run on the same weights and inputs:
   ck_eager      ckgen.torch.convert(model)
   ck_compile    torch.compile(converted, fullgraph=True)
   ck_compile_ro torch.compile(converted, fullgraph=True, mode="reduce-overhead")
+  ck_compile_ckpool  (only when named in --columns) torch.compile(fullgraph=True) of a model
+                converted with max_pool_under_compile="ckgen": the max pools traced as ckgen's ops
+                instead of left to Inductor (the default), to compare the two in one run
 
 Each cell: host-inclusive ms per step (wall clock, synchronized; what a training loop sees:
 after every column of a row has run, its columns are timed again in --interleave rounds of
@@ -48,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 COLUMNS = ("eager", "compile", "compile_ro", "ck_eager", "ck_compile", "ck_compile_ro")
+EXTRA_COLUMNS = ("ck_compile_ckpool",)  # run only when --columns names them
 QUICK_COLUMNS = ("eager", "compile", "ck_eager", "ck_compile")
 
 
@@ -317,7 +321,7 @@ class _Notices(logging.Handler):
 
 
 # the order columns run in: the most telling first (the budget may end a row early)
-RUN_ORDER = ("eager", "ck_eager", "compile", "ck_compile", "ck_compile_ro", "compile_ro")
+RUN_ORDER = ("eager", "ck_eager", "compile", "ck_compile", "ck_compile_ckpool", "ck_compile_ro", "compile_ro")
 
 
 def run_row(row: Row, args, device, dtype, deadline: float) -> None:
@@ -333,6 +337,10 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
     x = torch.randn(row.shape, device=device, generator=gen).to(dtype).contiguous(memory_format=fmt)
     conv = copy.deepcopy(base)
     report = ct.convert(conv, max_pool_indices=args.max_pool_indices)
+    conv_ckpool = None
+    if "ck_compile_ckpool" in args.columns:
+        conv_ckpool = copy.deepcopy(base)
+        ct.convert(conv_ckpool, max_pool_indices=args.max_pool_indices, max_pool_under_compile="ckgen")
     row.notes.append("convert: " + ", ".join(f"{k} x{v}" for k, v in sorted(report.counts().items())))
     # numerics: converted vs nn, eval mode, one forward
     try:
@@ -356,7 +364,8 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
                 continue
             t_col = time.perf_counter()
             try:
-                model = copy.deepcopy(conv if col.startswith("ck_") else base)
+                model = copy.deepcopy(conv_ckpool if col == "ck_compile_ckpool"
+                                      else conv if col.startswith("ck_") else base)
                 if col in ("eager", "ck_eager"):
                     fn = model
                 else:
@@ -546,7 +555,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds; columns and rows after it are skipped (default 270; --quick 120)")
-    ap.add_argument("--columns", default=None, help=f"comma-separated, of {','.join(COLUMNS)}")
+    ap.add_argument("--columns", default=None, help=f"comma-separated, of {','.join(COLUMNS + EXTRA_COLUMNS)}")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
@@ -564,7 +573,7 @@ def main() -> int:
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     args.columns = tuple(args.columns.split(",")) if args.columns else (QUICK_COLUMNS if args.quick else COLUMNS)
-    bad = [c for c in args.columns if c not in COLUMNS]
+    bad = [c for c in args.columns if c not in COLUMNS + EXTRA_COLUMNS]
     if bad:
         ap.error(f"--columns: unknown {bad}")
     budget = args.budget if args.budget is not None else (120.0 if args.quick else 270.0)

@@ -769,7 +769,7 @@ def test_compile_sees_the_custom_ops(route_cpu):
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
 
-    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2), ct.AvgPool2d(2))
+    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2, under_compile="ckgen"), ct.AvgPool2d(2))
     f = torch.compile(m, fullgraph=True, backend=backend)
     f(_x((2, 16, 8, 8), requires_grad=True)).sum().backward()
     targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
@@ -778,6 +778,82 @@ def test_compile_sees_the_custom_ops(route_cpu):
         assert f"ckgen.{name}.kernel" in targets, (name, targets)
     # the AOT graphs call the overloads with no Python autograd kernel (see ops._Op)
     assert not [t for t in targets if t.startswith("ckgen.") and not t.endswith(".kernel")], targets
+
+
+def _traced_targets(m, x):
+    """The call_function targets of the forward and backward AOT graphs of torch.compile(m)(x)."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        def keep(g, _):
+            seen.extend(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+            return make_boxed_func(g.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    out = torch.compile(m, fullgraph=True, backend=backend)(x)
+    out.sum().backward()
+    return out, seen
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compile_leaves_max_pools_to_inductor_by_default(route_cpu, fused):
+    """under_compile="inductor" (the default): a compiled graph holds PyTorch's max pool (forward
+    and backward; with the ReLU before it for ReLUMaxPool2d) and no ckgen max pool op, the
+    GroupNorm and avg pool stay ckgen's; eager calls still run ckgen's op (the CPU route here).
+    The values and x's gradient match nn's either way."""
+    pool = ct.ReLUMaxPool2d(3, 2, 1) if fused else ct.MaxPool2d(3, 2, 1)
+    m = nn.Sequential(ct.GroupNormSwish(4, 16), pool, ct.AvgPool2d(2))
+    ref = nn.Sequential(nn.GroupNorm(4, 16), nn.SiLU(), *([nn.ReLU()] if fused else []), nn.MaxPool2d(3, 2, 1),
+                        nn.AvgPool2d(2))
+    ref[0].load_state_dict(m[0].state_dict())
+    x = _x((2, 16, 9, 9), requires_grad=True)
+    out, seen = _traced_targets(m, x)
+    assert any("ckgen.groupnorm_fwd" in t for t in seen) and any("ckgen.avgpool2d_fwd" in t for t in seen), seen
+    assert not any("ckgen.maxpool2d" in t for t in seen), seen
+    assert any(t.startswith("aten.max_pool2d_with_indices.") for t in seen), seen
+    assert any(t.startswith("aten.max_pool2d_with_indices_backward.") for t in seen), seen
+    assert any(t.startswith("aten.relu.") for t in seen) == fused, seen
+    xr = x.detach().clone().requires_grad_(True)
+    want = ref(xr)
+    want.sum().backward()
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+    # the same module in eager runs ckgen's op
+    with torch.no_grad():
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            m(x)
+    assert any("ckgen::maxpool2d_fwd" in e.key for e in prof.key_averages()), [e.key for e in prof.key_averages()]
+
+
+def test_compile_traces_ckgen_max_pools_when_asked(route_cpu):
+    m = nn.Sequential(ct.ReLUMaxPool2d(2, under_compile="ckgen"))
+    _, seen = _traced_targets(m, _x((2, 8, 8, 8), requires_grad=True))
+    assert "ckgen.maxpool2d_fwd_with_indices.kernel" in seen and "ckgen.maxpool2d_bwd.kernel" in seen, seen
+    assert not any(t.startswith("aten.max_pool2d") for t in seen), seen
+
+
+def test_under_compile_is_checked_and_carried_by_convert():
+    for bad in (lambda: ct.MaxPool2d(2, under_compile="triton"), lambda: ct.ReLUMaxPool2d(2, under_compile=None),
+                lambda: ct.max_pool2d(torch.randn(1, 2, 4, 4), 2, under_compile="eager")):
+        with pytest.raises(ValueError, match="under_compile: expected 'inductor' or 'ckgen'"):
+            bad()
+    with pytest.raises(ValueError, match="max_pool_under_compile: expected"):
+        ct.convert(nn.Sequential(nn.MaxPool2d(2)), max_pool_under_compile="aten")
+    model = nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU(), nn.MaxPool2d(2), nn.MaxPool2d(2))
+    ct.convert(model, max_pool_under_compile="ckgen")
+    assert [type(model[i]).__name__ for i in (2, 3)] == ["ReLUMaxPool2d", "MaxPool2d"]
+    assert model[2].under_compile == model[3].under_compile == "ckgen"
+    assert "under_compile=ckgen" in repr(model[3])
+    model = nn.Sequential(nn.MaxPool2d(2))
+    model[0] = nn.Sequential(nn.MaxPool2d(2))
+    ct.convert(model)
+    assert model[0][0].under_compile == "inductor"
 
 
 def test_the_kernel_overload_has_no_autograd_kernel_of_its_own():
@@ -940,7 +1016,7 @@ def test_compile_still_traces_the_custom_ops_when_the_eager_path_is_on(eager_cpu
         seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
-    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2), ct.AvgPool2d(2))
+    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2, under_compile="ckgen"), ct.AvgPool2d(2))
     x = _x((2, 16, 8, 8), requires_grad=True)
     out = torch.compile(m, fullgraph=True, backend=backend)(x)
     assert any("ckgen.groupnorm_fwd" in t for t in seen), seen

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from torch import nn
 
+from .functional import UNDER_COMPILE
 from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
 
 OPS = ("groupnorm", "groupnorm_swish", "maxpool2d", "avgpool2d", "relu_maxpool2d")
@@ -117,19 +118,25 @@ def _fx_check(block: nn.Module, norm: str, act: str) -> Optional[str]:
 
 
 def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Iterable[FusePattern] = (),
-            max_pool_indices: str = "stored") -> ConvertReport:
+            max_pool_indices: str = "stored", max_pool_under_compile: str = "inductor") -> ConvertReport:
     """Replace model's nn.GroupNorm / nn.MaxPool2d / nn.AvgPool2d with ckgen's modules, in place.
 
     ops: which of "groupnorm", "groupnorm_swish" (the GroupNorm + SiLU fusion), "maxpool2d",
     "avgpool2d", "relu_maxpool2d" (the ReLU + MaxPool2d fusion) to apply (default: all). patterns: FusePatterns for blocks whose GroupNorm + SiLU
     are not consecutive in an nn.Sequential. max_pool_indices: the MaxPool2d `indices` option
-    ("stored" or "recompute"). Returns a ConvertReport; the model itself is changed in place."""
+    ("stored" or "recompute"). max_pool_under_compile: the MaxPool2d `under_compile` option, what
+    torch.compile traces for the max pools ("inductor": PyTorch's op, which Inductor fuses with the
+    ReLU before it; "ckgen": ckgen's op). Returns a ConvertReport; the model itself is changed in
+    place."""
     want = set(OPS if ops is None else ops)
     bad = want - set(OPS)
     if bad:
         raise ValueError(f"ops: unknown {sorted(bad)}; choose from {list(OPS)}")
     if max_pool_indices not in ("stored", "recompute"):
         raise ValueError(f"max_pool_indices: expected 'stored' or 'recompute', got {max_pool_indices!r}")
+    if max_pool_under_compile not in UNDER_COMPILE:
+        raise ValueError(f"max_pool_under_compile: expected 'inductor' or 'ckgen', got {max_pool_under_compile!r}")
+    pool_kw = {"indices": max_pool_indices, "under_compile": max_pool_under_compile}
     patterns = list(patterns)
     report = ConvertReport()
     # How many places hold each module object: a shared module cannot be fused in one place only.
@@ -169,7 +176,7 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
             report._add(False, relu_path, relu, "", f"not fused with {pool_path}: {why}")
             done.add(id(relu))
             return
-        new_relu, new_pool = nn.Identity(), ReLUMaxPool2d.from_module(pool, indices=max_pool_indices)
+        new_relu, new_pool = nn.Identity(), ReLUMaxPool2d.from_module(pool, **pool_kw)
         _set(model, relu_path, new_relu)
         _set(model, pool_path, new_pool)
         report._add(True, relu_path, relu, "Identity", f"fused into {pool_path}")
@@ -234,7 +241,7 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
                 report._add(False, name, m, "", "'groupnorm' not in ops")
         elif t is nn.MaxPool2d:
             if "maxpool2d" in want:
-                new = MaxPool2d.from_module(m, indices=max_pool_indices)
+                new = MaxPool2d.from_module(m, **pool_kw)
             else:
                 report._add(False, name, m, "", "'maxpool2d' not in ops")
         elif t is nn.AvgPool2d:

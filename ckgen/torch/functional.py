@@ -204,15 +204,35 @@ def _pool_call(kind: str, x: Tensor, kernel_size, stride, padding, dilation, cei
                             ceil_mode, count_include_pad, divisor_override, _ROUTE_CPU), make)
 
 
+UNDER_COMPILE = ("inductor", "ckgen")
+
+
+def check_under_compile(under_compile: str) -> str:
+    if under_compile not in UNDER_COMPILE:
+        raise ValueError(f"under_compile: expected 'inductor' or 'ckgen', got {under_compile!r}")
+    return under_compile
+
+
 def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
-               return_indices: bool = False, indices: str = "stored"):
+               return_indices: bool = False, indices: str = "stored", under_compile: str = "inductor"):
     """F.max_pool2d with ckgen. `indices` picks what the backward uses when x needs a gradient:
     "stored" (the forward also writes int64 indices, as PyTorch does) or "recompute" (the
     forward writes y only; the backward recomputes each window's argmax from x). With
     return_indices=True the indices are computed anyway, and the backward uses them. Without a
-    gradient (inference, torch.no_grad) no indices are written unless asked for."""
+    gradient (inference, torch.no_grad) no indices are written unless asked for.
+
+    `under_compile` says what a torch.compile trace gets: "inductor" (the default) traces
+    PyTorch's max pool, which Inductor lowers into its own kernel, fused with the ReLU before it
+    and storing int8 window offsets instead of int64 indices; "ckgen" traces ckgen's custom op.
+    Measured on the H100 (README, PyTorch integration): in compiled VGG-16 and ResNet-50 ckgen's
+    pools tied Inductor's in GPU time (0.97x-1.02x) and cost 0.2-1.6 ms of host time a step. Eager
+    calls run ckgen either way."""
     if indices not in ("stored", "recompute"):
         raise ValueError(f"indices: expected 'stored' or 'recompute', got {indices!r}")
+    check_under_compile(under_compile)
+    if under_compile == "inductor" and torch.compiler.is_compiling():
+        return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
+                            return_indices=return_indices)
     call = _pool_call("max", x, kernel_size, stride, padding, dilation, ceil_mode)
     if call.why is not None:
         _fallback("max_pool2d", call.why)
@@ -243,4 +263,4 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool =
                                          call.div)
 
 
-__all__ = ["avg_pool2d", "group_norm", "group_norm_why_not", "max_pool2d"]
+__all__ = ["UNDER_COMPILE", "avg_pool2d", "group_norm", "group_norm_why_not", "max_pool2d"]

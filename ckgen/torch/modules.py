@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as CF
@@ -61,25 +62,31 @@ class MaxPool2d(nn.MaxPool2d):
     """nn.MaxPool2d with ckgen. `indices` ("stored" or "recompute") chooses what the backward
     uses when the input needs a gradient: int64 indices written by the forward (PyTorch's way,
     and the faster backward), or the argmax recomputed from x (no index tensor: less memory and
-    less forward traffic). Inference writes no indices unless return_indices=True."""
+    less forward traffic). Inference writes no indices unless return_indices=True.
+    `under_compile` ("inductor", the default, or "ckgen") is what torch.compile traces: PyTorch's
+    max pool, which Inductor fuses with its neighbours, or ckgen's op (see
+    `ckgen.torch.functional.max_pool2d`). Eager calls run ckgen either way."""
 
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
-                 ceil_mode: bool = False, *, indices: str = "stored") -> None:
+                 ceil_mode: bool = False, *, indices: str = "stored", under_compile: str = "inductor") -> None:
         super().__init__(kernel_size, stride, padding, dilation, return_indices, ceil_mode)
         if indices not in ("stored", "recompute"):
             raise ValueError(f"indices: expected 'stored' or 'recompute', got {indices!r}")
         self.indices = indices
+        self.under_compile = CF.check_under_compile(under_compile)
 
     def forward(self, input: Tensor):  # noqa: A002
         return CF.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
-                             ceil_mode=self.ceil_mode, return_indices=self.return_indices, indices=self.indices)
+                             ceil_mode=self.ceil_mode, return_indices=self.return_indices, indices=self.indices,
+                             under_compile=self.under_compile)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", indices={self.indices}"
+        return super().extra_repr() + f", indices={self.indices}, under_compile={self.under_compile}"
 
     @classmethod
-    def from_module(cls, m: nn.MaxPool2d, indices: str = "stored") -> "MaxPool2d":
-        new = cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode, indices=indices)
+    def from_module(cls, m: nn.MaxPool2d, indices: str = "stored", under_compile: str = "inductor") -> "MaxPool2d":
+        new = cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode, indices=indices,
+                  under_compile=under_compile)
         return _carry_over(m, new)
 
 
@@ -92,12 +99,17 @@ class ReLUMaxPool2d(MaxPool2d):
     only (the indices of relu(x)'s windows can differ where several elements are <= 0)."""
 
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
-                 ceil_mode: bool = False, *, indices: str = "stored") -> None:
+                 ceil_mode: bool = False, *, indices: str = "stored", under_compile: str = "inductor") -> None:
         if return_indices:
             raise ValueError("return_indices: ReLUMaxPool2d returns no indices (those of relu(x) can differ)")
-        super().__init__(kernel_size, stride, padding, dilation, False, ceil_mode, indices=indices)
+        super().__init__(kernel_size, stride, padding, dilation, False, ceil_mode, indices=indices,
+                         under_compile=under_compile)
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        if self.under_compile == "inductor" and torch.compiler.is_compiling():
+            # the unfused nn graph (ReLU, then the pool): Inductor fuses the two into one kernel
+            return F.max_pool2d(torch.relu(input), self.kernel_size, self.stride, self.padding, self.dilation,
+                                ceil_mode=self.ceil_mode)
         return torch.relu(super().forward(input))
 
     def extra_repr(self) -> str:

@@ -476,19 +476,20 @@ def test_converted_model_eager_matches_nn(dtype, layout):
     _as_accurate(_errors(ck_run, ref), _errors(nn_run, ref), dtype, "converted eager vs nn eager")
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [None, "inductor", "ckgen"])
 @pytest.mark.parametrize("dtype,layout", [("bf16", "nhwc"), ("fp32", "nchw"), ("fp16", "nhwc"), ("bf16", "nchw")])
 def test_converted_relu_maxpool_stack_matches_nn(dtype, layout, compiled):
     """A VGG-like conv-ReLU-pool stack: convert fuses each ReLU + MaxPool2d into ReLUMaxPool2d
     (pool first); output and input gradient match the nn model in the same dtype, in eager and
-    under torch.compile(fullgraph=True)."""
+    under torch.compile(fullgraph=True) with the pools left to Inductor (the default) or traced
+    as ckgen's ops."""
     torch.manual_seed(3)
     ref = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1, ceil_mode=True),
                         nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
     ref = ref.cuda().to(TORCH_DT[dtype]).to(memory_format=FMT[layout])
     mine = copy.deepcopy(ref)
-    report = ct.convert(mine)
+    report = ct.convert(mine, max_pool_under_compile=compiled or "inductor")
     assert report.counts() == {"ReLU -> Identity": 3, "MaxPool2d -> ReLUMaxPool2d": 3}, str(report)
     run = torch.compile(mine, fullgraph=True) if compiled else mine
     x = (torch.randn(4, 3, 40, 40, device="cuda") - 0.3).to(TORCH_DT[dtype]).contiguous(memory_format=FMT[layout])
@@ -507,12 +508,14 @@ def test_converted_relu_maxpool_stack_matches_nn(dtype, layout, compiled):
 @pytest.mark.parametrize("dtype,layout", [("bf16", "nhwc"), ("fp32", "nchw")])
 def test_compiled_converted_model_trains_like_eager(dtype, layout, mode):
     """torch.compile(fullgraph=True) (inductor; with mode="reduce-overhead" in CUDA graphs) of
-    the converted model: a few training steps as accurate as the converted model in eager."""
+    the converted model: a few training steps as accurate as the converted model in eager. The
+    max pools are traced as ckgen's ops here (max_pool_under_compile="ckgen"), so every ckgen op
+    runs in the compiled graph and its CUDA graphs."""
     torch._dynamo.reset()
     base = _model().cuda().to(TORCH_DT[dtype]).to(memory_format=FMT[layout])
     batches = _batches(dtype, layout, 4)
     ref = _reference(base, batches)
-    ct.convert(base, patterns=PATTERNS)
+    ct.convert(base, patterns=PATTERNS, max_pool_under_compile="ckgen")
     eager, comp = copy.deepcopy(base), copy.deepcopy(base)
     compiled = torch.compile(comp, fullgraph=True, mode=mode)
     eager_run = _train(eager, eager, batches)
@@ -532,8 +535,10 @@ def test_compiled_converted_model_trains_like_eager(dtype, layout, mode):
     torch.testing.assert_close(got, want, atol=lt, rtol=lt, msg=lambda m: f"inference: {m}")
 
 
-def test_compiled_graph_holds_the_ckgen_ops():
-    """fullgraph=True succeeds and the AOT graphs hold ckgen's ops, forward and backward."""
+@pytest.mark.parametrize("pools", ["ckgen", "inductor"])
+def test_compiled_graph_holds_the_ckgen_ops(pools):
+    """fullgraph=True succeeds and the AOT graphs hold ckgen's ops, forward and backward; the max
+    pools are PyTorch's (for Inductor) unless max_pool_under_compile="ckgen"."""
     torch._dynamo.reset()
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
@@ -547,14 +552,21 @@ def test_compiled_graph_holds_the_ckgen_ops():
         return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)
 
     m = _model().cuda().to(memory_format=torch.channels_last)
-    ct.convert(m, patterns=PATTERNS)
+    ct.convert(m, patterns=PATTERNS, max_pool_under_compile=pools)
     x = torch.randn(2, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
     torch.compile(m, fullgraph=True, backend=backend)(x).sum().backward()
-    for name in ("groupnorm_fwd", "groupnorm_bwd", "maxpool2d_fwd_with_indices", "maxpool2d_bwd", "avgpool2d_fwd",
-                 "avgpool2d_bwd"):
+    ck_pools = ("maxpool2d_fwd_with_indices", "maxpool2d_bwd") if pools == "ckgen" else ()
+    for name in ("groupnorm_fwd", "groupnorm_bwd", "avgpool2d_fwd", "avgpool2d_bwd") + ck_pools:
         assert f"ckgen.{name}.kernel" in seen, (name, seen)
     assert not [t for t in seen if t.startswith("ckgen.") and not t.endswith(".kernel")], seen
-    assert not any("native_group_norm" in t or ("max_pool2d" in t and "ckgen" not in t) for t in seen), seen
+    assert not any("native_group_norm" in t for t in seen), seen
+    aten_pools = [t for t in seen if "max_pool2d" in t and "ckgen" not in t]
+    if pools == "ckgen":
+        assert not aten_pools and not any("avg_pool2d" in t and "ckgen" not in t for t in seen), seen
+    else:
+        assert not any("ckgen.maxpool2d" in t for t in seen), seen
+        assert any(t.startswith("aten.max_pool2d_with_indices.") for t in aten_pools), seen
+        assert any(t.startswith("aten.max_pool2d_with_indices_backward.") for t in aten_pools), seen
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,19 +163,6 @@ _cache: dict[tuple[int, str, str], Any] = {}
 _lock = threading.Lock()
 
 
-DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a kernel may take without opting in
-
-
-def allow_smem(kernel: Any, nbytes: int, target: Target | None) -> None:
-    """Let a loaded kernel (a CuPy RawKernel) launch with `nbytes` of dynamic shared memory: past
-    48 KB CUDA needs the function's MaxDynamicSharedMemorySize raised first (the GroupNorm
-    backward's stash scheme takes up to ~200 KB on sm_90). Below that, nothing is done."""
-    if nbytes <= DEFAULT_SMEM or (target is not None and target.vendor != "cuda"):
-        return
-    if kernel.max_dynamic_shared_size_bytes < nbytes:
-        kernel.max_dynamic_shared_size_bytes = nbytes
-
-
 def load_kernel(src: KernelSource, target: Target | None = None, symbol: str | None = None) -> Any:
     """A CuPy kernel `symbol` (default: the instance name) of `src` on the current device;
     each source is compiled once per arch, each module loaded once per device."""

@@ -91,7 +91,6 @@ NEAREST_DISTANCE = 2.0
 ACCEPT_TRIES = 8
 WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
-STASH_SMEM_PER_SM, STASH_STATIC_SMEM = 228 * 1024, 17 * 1024  # sm_90's shared memory per SM; a stash block's static part
 
 # SMs (CUs) per arch, for the model's parallelism terms when no device is at hand: the
 # flagship part of each arch (an H100 SXM for sm_90). Others: DEFAULT_SMS.
@@ -184,8 +183,6 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
     blocks = max(1, main.grid[0] * main.grid[1] * main.grid[2])
     threads = max(1, main.block[0] * main.block[1] * main.block[2])
     per_sm = max(d.get("min_blocks", 1), min(32, 2048 // threads, 65536 // (threads * _regs(op, p, c))))
-    if d.get("scheme") == "stash" and main.shared_mem:  # GroupNorm bwd's stash: shared memory bounds residency
-        per_sm = max(1, min(per_sm, STASH_SMEM_PER_SM // (main.shared_mem + STASH_STATIC_SMEM)))
     conc = min(blocks, sms * per_sm)
     need_bytes = op.min_bytes(p)
     name = op.name
@@ -230,7 +227,7 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
             phi["gpb"] = math.log2(d["groups_per_block"])
     elif gn:
         scheme = op.scheme(c)  # type: ignore[attr-defined]
-        if name != "groupnorm_bwd_gamma_beta" and scheme not in ("single_pass", "stash"):
+        if name != "groupnorm_bwd_gamma_beta" and scheme != "single_pass":
             phi["reread"] = math.log1p(2 * x_bytes / need_bytes)
         phi["split"] = math.log2(d["split"])
         if p.layout == "nhwc":

@@ -219,7 +219,7 @@ class Plan:
 
     def __init__(self, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str], outputs: Sequence[Output],
                  vector_ptrs: Sequence[int]) -> None:
-        from .compile import allow_smem, load_kernel
+        from .compile import load_kernel
         from .online import Site
         from .target import device_info
         from .tensors import alignment, current_stream_fn
@@ -241,10 +241,7 @@ class Plan:
             self.choice, src = _dispatcher.choose(op, problem, target, alignment(*vector_ptrs), site)
             config = self.choice.config
             launches = op.launches(problem, config, target)
-            raw = [load_kernel(src, target, l.kernel) for l in launches]
-            for k, l in zip(raw, launches):
-                allow_smem(k, l.shared_mem, target)
-            self._kernels = [k.kernel for k in raw]  # cupy Functions
+            self._kernels = [load_kernel(src, target, l.kernel).kernel for l in launches]  # cupy Functions
         steps = [(k.ptr, *l.grid, *l.block, l.shared_mem) for k, l in zip(self._kernels, launches)]
         self.launches = len(steps)
         self.run, self._keep = _launcher(self, op, problem, like, inputs, outputs, steps,

@@ -34,14 +34,12 @@ class Harness:
         """A callable running every launch of `config` (compiled from `src`) on these buffers."""
         import cupy
 
-        from .compile import allow_smem, load_kernel
+        from .compile import load_kernel
 
         ws = cupy.empty(max(self.op.workspace_bytes(self.problem, config), 4), dtype=cupy.uint8)
         ptrs = {k: a.data.ptr for k, a in {**self.dev_in, **self.dev_out}.items()}
         args = self.op.kernel_args(self.problem, {**ptrs, "ws": ws.data.ptr}, self.eps)
         steps = [(load_kernel(src, target, l.kernel), l) for l in self.op.launches(self.problem, config, target)]
-        for kernel, l in steps:
-            allow_smem(kernel, l.shared_mem, target)
 
         def run() -> None:
             _ = ws  # the workspace lives as long as the runner

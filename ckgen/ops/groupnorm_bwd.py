@@ -14,17 +14,7 @@ from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 _INT32_MAX = 2**31 - 1
 MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)
 NCHW_STEP_VECTORS = 4096  # NCHW single_pass: per-vector partials in shared memory (2 x 16 KB)
-# stash (NHWC): the block's share of x and dy in dynamic shared memory, beside the tile's channel
-# sums, under the opt-in limit of one block's shared memory (227 KB on sm_90) less the static
-# row-tree buffers (2 x 8 KB) and some slack; 48 KB (no opt-in) elsewhere.
-SMEM_OPTIN = {"sm_90": 227 * 1024}
-SMEM_STATIC_RESERVE = 2 * 4 * 2048 + 1024
 DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (see the template)
-
-
-def stash_smem_limit(target: Target) -> int:
-    """Bytes of dynamic shared memory a stash block may take on `target`."""
-    return SMEM_OPTIN.get(target.arch, 48 * 1024) - SMEM_STATIC_RESERVE
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -60,8 +50,6 @@ class _GroupNormBwd(GroupNormOp):
                               f"{target.arch} has none (multi_stage splits through memory)")
         if p.Cg * p.HW // vec > _INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
-        if scheme == "stash" and p.layout != "nhwc":
-            return Support.no("stash is for NHWC (NCHW: single_pass holds the slice's share in registers)")
         # single_pass holds x and dy packed; streaming keeps 2 x items x vec fp32 values in flight
         regs = (2 * items * vec * item // 4 if scheme == "single_pass" else 2 * items * vec) + 40
         if p.layout == "nhwc":
@@ -101,11 +89,6 @@ class _GroupNormBwd(GroupNormOp):
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
             if split > 1 and share < rows:
                 return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
-            if scheme == "stash":
-                need, limit = self._dyn_smem(p, config), stash_smem_limit(target)
-                if need > limit:
-                    return Support.no(f"stash of {need // 1024} KB (x and dy of {share} pixels x {ch} channels, and the "
-                                      f"channel sums) exceeds {limit // 1024} KB of shared memory per block on {target.arch}")
         if self._blocks(p, config) > _INT32_MAX or p.N * split * p.C * 2 > _INT32_MAX:
             return Support.no("grid or workspace too large")
         return Support.yes()
@@ -131,7 +114,7 @@ class _GroupNormBwd(GroupNormOp):
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config
         act = "_swish" if p.activation == "swish" else ""
-        scheme = {"single_pass": "sp", "fused": "fu", "multi_stage": "ms", "stash": "st"}[self.scheme(c)]
+        scheme = {"single_pass": "sp", "fused": "fu", "multi_stage": "ms"}[self.scheme(c)]
         return (f"ckgen_{self.name}_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}_i{c['items']}"
                 f"_g{c['groups_per_block']}_{scheme}_s{c['split']}_m{c['min_blocks']}")
 
@@ -145,23 +128,10 @@ class _GroupNormBwd(GroupNormOp):
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
         return p.N * (p.G // config["groups_per_block"]) * config["split"]
 
-    def _dyn_smem(self, p: GroupNormProblem, config: Config) -> int:
-        """Dynamic shared memory of the main kernel: the tile's per-channel sums (2 floats each),
-        and for stash the block's x and dy vectors (16-byte aligned after the sums; a thread's
-        k-th vector of each at [k][tid], k < ceil(pixels per block / rows))."""
-        ch = config["groups_per_block"] * p.Cg
-        sums = 2 * 4 * ch
-        if self.scheme(config) != "stash":
-            return sums
-        vec = config["vec_bytes"] // DTYPES[p.dtype]["itemsize"]
-        rows = config["threads"] // (ch // vec)
-        k = -(-(-(-p.HW // config["split"])) // rows)
-        return -(-sums // 16) * 16 + 2 * k * config["threads"] * config["vec_bytes"]
-
     def launches(self, p: GroupNormProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         name = self.instance_name(p, config)
         grid, block = (self._blocks(p, config), 1, 1), (config["threads"], 1, 1)
-        smem = self._dyn_smem(p, config)  # per-channel sums (+ the stash): dynamic shared memory
+        smem = 2 * 4 * config["groups_per_block"] * p.Cg  # per-channel sums (dynamic shared memory)
         out: list[Launch] = []
         if self.scheme(config) == "multi_stage":
             out.append(Launch(f"{name}_stats", grid, block, smem))

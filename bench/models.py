@@ -14,7 +14,8 @@ Columns, all in one run on the same weights and inputs:
   compile       torch.compile(model)
   compile_ro    torch.compile(model, mode="reduce-overhead") (CUDA graphs)
   ck_eager      ckgen.torch.convert(model)
-  ck_compile    torch.compile(converted, fullgraph=True)
+  ck_compile    torch.compile(converted, fullgraph=True) (max pools traced as PyTorch's, for Inductor:
+                the modules' under_compile default)
   ck_compile_ro torch.compile(converted, fullgraph=True, mode="reduce-overhead")
   ck_compile_ckpool  (only when named in --columns) torch.compile(fullgraph=True) of a model
                 converted with max_pool_under_compile="ckgen": the max pools traced as ckgen's ops

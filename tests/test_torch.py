@@ -755,31 +755,6 @@ def test_compile_fullgraph_trains_like_eager(backend, route_cpu):
     assert ct.fallbacks() == {}
 
 
-def test_compile_sees_the_custom_ops(route_cpu):
-    """The traced graph holds the ckgen ops, forward and backward, and no graph break."""
-    torch._dynamo.reset()
-    graphs = []
-
-    def backend(gm, example_inputs):
-        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-
-        def keep(g, _):
-            graphs.append(g)
-            return make_boxed_func(g.forward)
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
-    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2, under_compile="ckgen"), ct.AvgPool2d(2))
-    f = torch.compile(m, fullgraph=True, backend=backend)
-    f(_x((2, 16, 8, 8), requires_grad=True)).sum().backward()
-    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
-    for name in ("groupnorm_fwd", "maxpool2d_fwd_with_indices", "avgpool2d_fwd", "groupnorm_bwd", "maxpool2d_bwd",
-                 "avgpool2d_bwd"):
-        assert f"ckgen.{name}.kernel" in targets, (name, targets)
-    # the AOT graphs call the overloads with no Python autograd kernel (see ops._Op)
-    assert not [t for t in targets if t.startswith("ckgen.") and not t.endswith(".kernel")], targets
-
-
 def _traced_targets(m, x):
     """The call_function targets of the forward and backward AOT graphs of torch.compile(m)(x)."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
@@ -797,6 +772,17 @@ def _traced_targets(m, x):
     out = torch.compile(m, fullgraph=True, backend=backend)(x)
     out.sum().backward()
     return out, seen
+
+
+def test_compile_sees_the_custom_ops(route_cpu):
+    """The traced graph holds the ckgen ops, forward and backward, and no graph break."""
+    m = nn.Sequential(ct.GroupNormSwish(4, 16), ct.MaxPool2d(2, under_compile="ckgen"), ct.AvgPool2d(2))
+    _, targets = _traced_targets(m, _x((2, 16, 8, 8), requires_grad=True))
+    for name in ("groupnorm_fwd", "maxpool2d_fwd_with_indices", "avgpool2d_fwd", "groupnorm_bwd", "maxpool2d_bwd",
+                 "avgpool2d_bwd"):
+        assert f"ckgen.{name}.kernel" in targets, (name, targets)
+    # the AOT graphs call the overloads with no Python autograd kernel (see ops._Op)
+    assert not [t for t in targets if t.startswith("ckgen.") and not t.endswith(".kernel")], targets
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Optional, Union
 
 from torch import nn
 
-from .functional import UNDER_COMPILE
+from .functional import check_under_compile
 from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
 
 OPS = ("groupnorm", "groupnorm_swish", "maxpool2d", "avgpool2d", "relu_maxpool2d")
@@ -134,8 +134,7 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
         raise ValueError(f"ops: unknown {sorted(bad)}; choose from {list(OPS)}")
     if max_pool_indices not in ("stored", "recompute"):
         raise ValueError(f"max_pool_indices: expected 'stored' or 'recompute', got {max_pool_indices!r}")
-    if max_pool_under_compile not in UNDER_COMPILE:
-        raise ValueError(f"max_pool_under_compile: expected 'inductor' or 'ckgen', got {max_pool_under_compile!r}")
+    check_under_compile(max_pool_under_compile, "max_pool_under_compile")
     pool_kw = {"indices": max_pool_indices, "under_compile": max_pool_under_compile}
     patterns = list(patterns)
     report = ConvertReport()

@@ -207,9 +207,9 @@ def _pool_call(kind: str, x: Tensor, kernel_size, stride, padding, dilation, cei
 UNDER_COMPILE = ("inductor", "ckgen")
 
 
-def check_under_compile(under_compile: str) -> str:
+def check_under_compile(under_compile: str, arg: str = "under_compile") -> str:
     if under_compile not in UNDER_COMPILE:
-        raise ValueError(f"under_compile: expected 'inductor' or 'ckgen', got {under_compile!r}")
+        raise ValueError(f"{arg}: expected 'inductor' or 'ckgen', got {under_compile!r}")
     return under_compile
 
 
@@ -263,4 +263,4 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool =
                                          call.div)
 
 
-__all__ = ["UNDER_COMPILE", "avg_pool2d", "group_norm", "group_norm_why_not", "max_pool2d"]
+__all__ = ["UNDER_COMPILE", "avg_pool2d", "check_under_compile", "group_norm", "group_norm_why_not", "max_pool2d"]

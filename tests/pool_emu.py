@@ -1,8 +1,10 @@
 """A CPU emulator for the pooling kernels: the HIP render of an instance (no inline PTX, fp16 via
 _Float16) is compiled as plain C++ with a small shim for the GPU built-ins, and every launch runs
-its blocks and threads one after another. The pooling kernels have no shared memory, no barriers
-and no warp shuffles, and their atomics commute, so running the threads serially gives exactly the
-GPU's result (up to the order of atomic adds). This checks the kernels' index math and semantics
+its blocks and threads one after another. The pooling kernels have no warp shuffles and their
+atomics commute, so running the threads serially gives exactly the GPU's result (up to the order of
+atomic adds). A kernel with a barrier (the max pool backward's smem algo: __syncthreads, dynamic
+shared memory) runs its blocks one after another, each block's threads as OS threads meeting at a
+real barrier, with one shared-memory buffer. This checks the kernels' index math and semantics
 against the float64 reference on machines with no GPU.
 """
 from __future__ import annotations
@@ -26,12 +28,31 @@ SHIM = r"""
 #include <cstring>
 #include <cmath>
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
 #define __device__
 #define __global__
+#define __shared__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 struct ck_dim3 { unsigned x, y, z; };
-static ck_dim3 threadIdx, blockIdx, blockDim, gridDim;
+static thread_local ck_dim3 threadIdx, blockIdx;
+static ck_dim3 blockDim, gridDim;
+extern "C" { float ck_smem[1 << 16]; }  // `extern __shared__ float ck_smem[]`: one block runs at a time
+struct ck_emu_barrier {  // __syncthreads for one block's threads
+  std::mutex m; std::condition_variable cv; unsigned n, waiting = 0, gen = 0;
+  explicit ck_emu_barrier(unsigned count) : n(count) {}
+  void wait() {
+    std::unique_lock<std::mutex> lk(m);
+    const unsigned g = gen;
+    if (++waiting == n) { waiting = 0; ++gen; cv.notify_all(); return; }
+    cv.wait(lk, [&] { return gen != g; });
+  }
+};
+static ck_emu_barrier* ck_emu_bar;
+static inline void __syncthreads() { ck_emu_bar->wait(); }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __shfl_xor(float v, int, int) { return v; }
@@ -53,6 +74,24 @@ extern "C" void emu_{k}(unsigned grid, unsigned block, const void* x, void* y, l
     }}
 }}
 """
+WRAPPER_THREADS = r"""
+extern "C" void emu_{k}(unsigned grid, unsigned block, const void* x, void* y, long long* idx, const void* dy,
+                        void* dx, float* ws, int N, int C, int H, int W, int OH, int OW) {{
+  gridDim = ck_dim3{{grid, 1, 1}}; blockDim = ck_dim3{{block, 1, 1}};
+  for (unsigned b = 0; b < grid; ++b) {{
+    ck_emu_barrier bar(block);
+    ck_emu_bar = &bar;
+    std::memset(ck_smem, 0xff, sizeof(ck_smem));  // poison: a read before the block's write shows
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([=] {{
+        blockIdx = ck_dim3{{b, 0, 0}}; threadIdx = ck_dim3{{t, 0, 0}};
+        {k}((const ck_store_t*)x, (ck_store_t*)y, idx, (const ck_store_t*)dy, (ck_store_t*)dx, ws, N, C, H, W, OH, OW);
+      }});
+    for (auto& th : threads) th.join();
+  }}
+}}
+"""
 EMU_TARGET = Target.named("gfx1100")  # HIP dialect, wave32
 
 
@@ -72,7 +111,10 @@ def build(op: OpSpec, problem, config: Config) -> tuple[ctypes.CDLL, list]:
     launches = op.launches(problem, config, EMU_TARGET)
     src = render(op.template, op.instance_name(problem, config), op.render_context(problem, config, EMU_TARGET))
     code = src.code.replace("#include <hip/hip_runtime.h>", SHIM)
-    code += "".join(WRAPPER.format(k=l.kernel) for l in launches)
+    for l in launches:
+        assert 4 * (1 << 16) >= l.shared_mem, "the emulator's shared memory is too small"
+    wrapper = WRAPPER_THREADS if "__syncthreads" in src.code else WRAPPER
+    code += "".join(wrapper.format(k=l.kernel) for l in launches)
     assert not re.search(r"\basm\b", code)
     digest = hashlib.sha256(code.encode()).hexdigest()[:16]
     lib = _cache.get(digest)
@@ -84,7 +126,7 @@ def build(op: OpSpec, problem, config: Config) -> tuple[ctypes.CDLL, list]:
             cpp = d / f"{digest}.cpp"
             cpp.write_text(code)
             tmp = d / f"{digest}.{os.getpid()}.so"
-            r = subprocess.run([compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-o", str(tmp), str(cpp)],
+            r = subprocess.run([compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(tmp), str(cpp)],
                                capture_output=True, text=True)
             assert r.returncode == 0, f"{src.name}: emulator build failed\n{r.stderr[-3000:]}"
             os.replace(tmp, so)

@@ -170,3 +170,43 @@ def test_one_output_axis_with_a_small_stride(name, extra, layout):
         cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
         for c in [op.space.nearest_default(lambda c: bool(op.validate(p, c, t)))] + random.Random(name).sample(cfgs, 2):
             check(op, p, c, inputs)
+
+
+@pytest.mark.parametrize("geo", [dict(kernel=3, stride=2, padding=1), dict(kernel=3, stride=2, padding=1, ceil_mode=True),
+                                 dict(kernel=2, stride=2), dict(kernel=3, stride=1, padding=1, dilation=2),
+                                 dict(kernel=(3, 2), stride=(2, 1), padding=(1, 0)), dict(kernel=5, stride=1, padding=2)],
+                         ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()).replace(" ", ""))
+def test_smem_recompute_backward(geo):
+    """algo=smem (indices=None, NCHW): a block's outputs' argmax and dy in shared memory behind a
+    barrier, then the aligned gather from there. Several blocks per plane (a block's first rows
+    share covering outputs with the block above), one block per plane, partial last tiles and
+    blocks, every dtype, NaN / -inf / ties."""
+    op = get_op("maxpool2d_bwd")
+    rng = np.random.default_rng()
+    t = pool_emu.EMU_TARGET
+    seen_rows = set()
+    for dtype, (H, W) in zip(["fp32", "fp16", "bf16"], [(29, 14), (13, 24), (40, 7)]):
+        p = op.parse_problem(N=2, C=3, H=H, W=W, dtype=dtype, layout="nchw", indices="recompute", **geo)
+        cfgs = [c for c in op.space.enumerate() if c["algo"] == "smem" and op.validate(p, c, t)]
+        assert cfgs, p.key()
+        r = random.Random(f"{geo}{dtype}")
+        # the fewest rows per block (most blocks per plane, most shared covering outputs) and a few others
+        picked = sorted(cfgs, key=lambda c: (op.smem_rows(p, c), c["threads"]))[:2] + r.sample(cfgs, min(3, len(cfgs)))
+        inputs = specials(p, op.make_inputs(p, rng), rng)
+        for c in picked:
+            seen_rows.add(op.smem_rows(p, c) < p.H)
+            check(op, p, c, inputs)
+    assert seen_rows == {True, False}  # both several blocks per plane and one
+
+
+def test_smem_is_checked_by_the_emulator():
+    """The barrier emulation can fail: an smem kernel run on a problem with another padding is wrong."""
+    op = get_op("maxpool2d_bwd")
+    t = pool_emu.EMU_TARGET
+    p = op.parse_problem(N=1, C=2, H=12, W=12, dtype="fp32", layout="nchw", kernel=3, stride=2, padding=1, indices="recompute")
+    q = op.parse_problem(N=1, C=2, H=12, W=12, dtype="fp32", layout="nchw", kernel=3, stride=2, padding=0, indices="recompute")
+    c = next(c for c in op.space.enumerate() if c["algo"] == "smem" and op.validate(p, c, t) and op.validate(q, c, t))
+    inputs = op.make_inputs(p, np.random.default_rng(0))
+    got = pool_emu.run(op, p, c, inputs)["dx"]
+    want = op.reference(q, op.make_inputs(q, np.random.default_rng(0)))["dx"]
+    assert max_violation(got, want, 0, 0) > 1

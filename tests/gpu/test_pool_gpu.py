@@ -61,9 +61,9 @@ def _problem(name, kw, dtype, layout):
 
 
 def _configs(op, p, target, n=CONFIGS):
-    """The default (or nearest valid), a scatter config (backward), a fast-path config (NCHW row
-    vectors / NHWC 16-byte vectors in the forward, a stride-aligned gather in the backward), then
-    seeded random others."""
+    """The default (or nearest valid), a scatter config (backward), an smem config (max backward,
+    indices=None, NCHW), a fast-path config (NCHW row vectors / NHWC 16-byte vectors in the
+    forward, a stride-aligned gather in the backward), then seeded random others."""
     valid = [c for c in op.space.enumerate() if op.validate(p, c, target)]
     first = op.space.nearest_default(lambda c: bool(op.validate(p, c, target)))
     picked = [first]
@@ -73,6 +73,8 @@ def _configs(op, p, target, n=CONFIGS):
         fast = [c for c in valid if op.aligned_gather(p, c) and c not in picked]
         xf = [c for c in fast if op.x_footprint(p, c) and op.row_vec_elems(p, c) > 1]
         fast = xf or fast  # indices=None NCHW: the x-footprint path with row vectors
+        smem = [c for c in valid if c["algo"] == "smem"]
+        picked += rng.sample(smem, min(1, len(smem)))  # indices=None NCHW: shared memory and a barrier
     else:
         fast = [c for c in valid if c["vec_bytes"] >= 8 and c["tw"] >= 2 and c not in picked]
     picked += rng.sample(fast, min(1, len(fast)))

@@ -15,6 +15,7 @@ from .problem import PoolProblem, covering
 
 _U32 = 2**32
 _I32 = 2**31
+SMEM_MAX = 48 * 1024  # dynamic shared memory a block may use without opting in (CUDA and HIP)
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -111,7 +112,7 @@ class _PoolOp(OpSpec):
         """Max backward, indices=None, NCHW, stride-aligned gather: the covering outputs' windows
         are read once into registers (rows as vectors) and every argmax comes from there."""
         if not (self.backward and self.pool == "max" and getattr(p, "indices", "") == "recompute"
-                and p.layout == "nchw" and self.aligned_gather(p, config)):
+                and p.layout == "nchw" and config.as_dict().get("algo") == "gather" and self.aligned_gather(p, config)):
             return False
         ob0 = _cover_span(self._cover(p, config, 1))[0]
         pre = p.padding[1] - ob0 * p.stride[1]  # the tile's first column in the footprint
@@ -129,9 +130,9 @@ class _PoolOp(OpSpec):
 
     def aligned_gather(self, p: PoolProblem, config: Config) -> bool:
         """Backward gather with a tile that starts at multiples of the stride: which outputs cover
-        which tile element is then known at compile time (the fast gather)."""
+        which tile element is then known at compile time (the fast gather; the smem algo always)."""
         th, tw = self.tile(config)
-        return self.backward and config.as_dict().get("algo") == "gather" and \
+        return self.backward and config.as_dict().get("algo") in ("gather", "smem") and \
             tw % p.stride[1] == 0 and th % p.stride[0] == 0
 
     def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
@@ -283,7 +284,7 @@ class _PoolOp(OpSpec):
         if items >= _U32:
             return Support.no(f"{items} threads exceed the 32-bit thread index; use a larger tile or vector")
         br = config.as_dict().get("block_rows", 1)
-        if br > 1:
+        if br > 1 and config.as_dict().get("algo") != "smem":  # smem: block_rows scales a block's rows
             planes, nrow, ncol, cvec = self._tiles(p, config)
             if threads % (cvec * br):
                 return Support.no(f"block_rows={br}: {cvec} channel vectors x {br} rows do not divide threads={threads}")
@@ -399,7 +400,38 @@ class _PoolBwd(_PoolOp):
     def _validate_more(self, p: PoolProblem, config: Config, target: Target) -> Support:
         if config["algo"] == "scatter" and p.numel >= 2**40:
             return Support.no("scatter's zero/convert loops take at most 2^40 elements")
+        if config["algo"] == "smem":
+            if self.pool != "max" or getattr(p, "indices", "") != "recompute" or p.layout != "nchw":
+                return Support.no("algo=smem: max pool backward with indices=None (recompute), NCHW only")
+            if not self.aligned_gather(p, config):
+                return Support.no(f"algo=smem: th={config['th']} and tw={config['tw']} must be multiples of "
+                                  f"the stride {p.stride[0]}x{p.stride[1]}")
+            smem = self.smem_bytes(p, config)
+            if smem > SMEM_MAX:
+                return Support.no(f"algo=smem: {smem} bytes of shared memory for a block's outputs exceed {SMEM_MAX}")
         return Support.yes()
+
+    def smem_rows(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: dx rows per block (the template's ck_smem_rows): whole th-row tiles, about
+        threads x tw x block_rows elements, at least one tile, at most the plane."""
+        th, tw = self.tile(config)
+        work = config["threads"] * tw * config["block_rows"]
+        return max(1, min(work // p.W, _cdiv(p.H, th))) * th
+
+    def _smem_out_rows(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: at most how many output rows have windows that touch one block's bh dx rows:
+        pend(r0 + bh - 1) - pstart(r0) <= (bh - 1 + effective kernel) // stride + 1, and <= OH."""
+        bh, ek, s = self.smem_rows(p, config), p.eff_kernel[0], p.stride[0]
+        return min(p.OH, (bh - 1 + ek) // s + 1)
+
+    def smem_bytes(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: dynamic shared memory per block, dy (fp32) and the argmax (int) of its outputs."""
+        return self._smem_out_rows(p, config) * p.OW * 8
+
+    def _blocks(self, p: PoolProblem, config: Config) -> int:
+        if config.as_dict().get("algo") == "smem":
+            return p.N * p.C * _cdiv(p.H, self.smem_rows(p, config))
+        return super()._blocks(p, config)
 
     def _regs_needed(self, p: PoolProblem, config: Config) -> int:
         th, tw = self.tile(config)
@@ -414,6 +446,8 @@ class _PoolBwd(_PoolOp):
         main = super().launches(p, config, target)
         if config["algo"] == "gather":
             return main
+        if config["algo"] == "smem":
+            return (Launch(main[0].kernel, main[0].grid, main[0].block, self.smem_bytes(p, config)),)
         name, t = main[0].kernel, config["threads"]
         fill = (min(_cdiv(_cdiv(p.numel * 4, 16), t), 65536), 1, 1)  # grid-stride loops
         if self._scatter_to_ws(p):

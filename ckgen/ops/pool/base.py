@@ -250,11 +250,11 @@ class _PoolOp(OpSpec):
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         th, tw = self.tile(config)
         if p.layout == "nchw" and vec != 1:
-            if self.backward and not self.x_footprint(p, config):
+            if self.backward and not (self.x_footprint(p, config) or config["algo"] == "smem"):
                 return Support.no(f"vec_bytes={vb}: the NCHW backward reads single {p.dtype} elements "
                                   f"(vec_bytes={item}) except for indices=None with a stride-aligned gather "
                                   "(x rows as vectors); vectors run along C in NHWC")
-            if self.backward and tw % vec:
+            if self.backward and config["algo"] != "smem" and tw % vec:
                 return Support.no(f"vec_bytes={vb}: a vector of {vec} elements does not divide tw={tw}")
             if p.W % vec:
                 return Support.no(f"vec_bytes={vb}: a vector of {vec} elements along W does not divide W={p.W}")
@@ -406,10 +406,19 @@ class _PoolBwd(_PoolOp):
             if not self.aligned_gather(p, config):
                 return Support.no(f"algo=smem: th={config['th']} and tw={config['tw']} must be multiples of "
                                   f"the stride {p.stride[0]}x{p.stride[1]}")
+            rv = self.row_vec_elems(p, config)
+            if rv > 1 and rv % p.stride[1]:
+                return Support.no(f"algo=smem: a row vector of {rv} elements is not a whole "
+                                  f"number of strides {p.stride[1]} (its outputs: a phase-1 strip)")
             smem = self.smem_bytes(p, config)
             if smem > SMEM_MAX:
                 return Support.no(f"algo=smem: {smem} bytes of shared memory for a block's outputs exceed {SMEM_MAX}")
         return Support.yes()
+
+    def smem_strip(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: adjacent outputs per phase-1 strip (the template's OWT): a row vector's worth
+        of input columns."""
+        return max(1, self.row_vec_elems(p, config) // p.stride[1])
 
     def smem_rows(self, p: PoolProblem, config: Config) -> int:
         """algo=smem: dx rows per block (the template's ck_smem_rows): whole th-row tiles, about
@@ -439,6 +448,8 @@ class _PoolBwd(_PoolOp):
         if self.aligned_gather(p, config):
             na, nb = self.cover_counts(p, config)
             xfoot = math.prod(self._x_footprint_dims(p, config)) if self.x_footprint(p, config) else 0
+            if config["algo"] == "smem":  # the phase-1 strip's x, KH rows x FC columns
+                xfoot = p.kernel[0] * ((self.smem_strip(p, config) - 1) * p.stride[1] + p.eff_kernel[1])
             return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32 + xfoot
         return th * tw * vec + 4 * vec + 32
 
@@ -465,6 +476,8 @@ class _PoolBwd(_PoolOp):
             (h0, hn), (w0, wn) = _cover_span(ch), _cover_span(cw)
             ctx.update(aligned=True, cover_h=ch, cover_w=cw, cover_h0=h0, cover_hn=hn, cover_w0=w0, cover_wn=wn,
                        xfoot=self.x_footprint(p, config))
+            if config["algo"] == "smem":
+                ctx["owt"] = self.smem_strip(p, config)
         return ctx
 
     def output_buffers(self, p: PoolProblem) -> dict[str, tuple[int, Any]]:

@@ -75,7 +75,7 @@ def all_problems(recs, fitter=None, as_dispatched=True) -> list:
     LooResult rows."""
     from ckgen import costmodel as cm
 
-    return cm.leave_one_out(recs, min_recorded=2, fitter=fitter, as_dispatched=as_dispatched)
+    return cm.leave_one_out(recs, min_recorded=2, fitter=fitter, as_dispatched=as_dispatched, source=None)
 
 
 MARGINS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, math.inf)  # inf: the near tier alone

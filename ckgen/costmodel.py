@@ -891,13 +891,18 @@ class LooResult:
     near_only: float = math.nan  # the model's pick among the near tier alone (the rule before the wide tier)
 
 
+SWEEP_SOURCE = "bench/results/sweeps/"  # the `source` of the records from the repo's exhaustive sweeps
+
+
 def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
                   fitter: Callable[[list[dict[str, Any]]], "CostModel"] | None = None,
-                  as_dispatched: bool = False) -> list[LooResult]:
-    """For every problem with at least `min_recorded` timed configs (50: the exhaustive sweeps; 2:
-    every recorded problem with a choice): fit (`fitter`, default `fit`) on every other problem's
-    records, let the model pick among the candidates the records time, and compare with the best
-    recorded, the candidates' best, the nearest-tuned fallback and the default.
+                  as_dispatched: bool = False, source: str | None = SWEEP_SOURCE) -> list[LooResult]:
+    """For every problem with at least `min_recorded` timed configs (2: every recorded problem
+    with a choice) and, unless `source` is None, records whose source starts with `source` (the
+    default: the exhaustive sweeps; a problem tuned at 40 trials more than once also reaches 50
+    timed configs, but its best is not the space's): fit (`fitter`, default `fit`) on every other
+    problem's records, let the model pick among the candidates the records time, and compare with
+    the best recorded, the candidates' best, the nearest-tuned fallback and the default.
 
     `as_dispatched`: the candidates are those the dispatcher would rank (`candidate_tiers` with
     every valid config usable) that the records time, each tier kept; else (and when none of
@@ -908,6 +913,8 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
     for (op_name, arch, key), recs in recmod_by_problem(records):
         timed = timed_configs(recs)
         if len(timed) < min_recorded:
+            continue
+        if source is not None and not any(str(r.get("source", "")).startswith(source) for r in recs):
             continue
         op, target = get_op(op_name), Target.named(arch)
         p = op.problem_from_key(key)

@@ -523,7 +523,10 @@ def _pool(sweep_loo):
 
 def test_leave_one_out_pooling_sweeps_floor(sweep_loo):
     """The 8 pooling sweeps (ResNet stem shape, both layouts), each held out: the model's pick is
-    1.02-1.37x the best (geomean 1.134x today); a floor against regressions, not the target."""
+    1.00-1.25x the best (geomean 1.103x since the refit with the smem max pool backward records;
+    1.134x before); a floor against regressions, not the target. Problems tuned more than once
+    (the ResNet stem's indices=None backward in fp16 and fp32 has over 50 timed configs now) are
+    not sweeps: `leave_one_out` takes the sweeps' records only."""
     assert len(_pool(sweep_loo)) == 8
     assert _geo([r.model for r in _pool(sweep_loo)]) <= 1.3
 

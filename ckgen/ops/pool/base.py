@@ -15,7 +15,6 @@ from .problem import PoolProblem, covering
 
 _U32 = 2**32
 _I32 = 2**31
-SMEM_MAX = 48 * 1024  # dynamic shared memory a block may use without opting in (CUDA and HIP)
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -400,47 +399,7 @@ class _PoolBwd(_PoolOp):
     def _validate_more(self, p: PoolProblem, config: Config, target: Target) -> Support:
         if config["algo"] == "scatter" and p.numel >= 2**40:
             return Support.no("scatter's zero/convert loops take at most 2^40 elements")
-        if config["algo"] == "smem":
-            if self.pool != "max" or getattr(p, "indices", "") != "recompute" or p.layout != "nchw":
-                return Support.no("algo=smem: max pool backward with indices=None (recompute), NCHW only")
-            if not self.aligned_gather(p, config):
-                return Support.no(f"algo=smem: th={config['th']} and tw={config['tw']} must be multiples of "
-                                  f"the stride {p.stride[0]}x{p.stride[1]}")
-            rv = self.row_vec_elems(p, config)
-            if rv > 1 and rv % p.stride[1]:
-                return Support.no(f"algo=smem: a row vector of {rv} elements is not a whole "
-                                  f"number of strides {p.stride[1]} (its outputs: a phase-1 strip)")
-            smem = self.smem_bytes(p, config)
-            if smem > SMEM_MAX:
-                return Support.no(f"algo=smem: {smem} bytes of shared memory for a block's outputs exceed {SMEM_MAX}")
         return Support.yes()
-
-    def smem_strip(self, p: PoolProblem, config: Config) -> int:
-        """algo=smem: adjacent outputs per phase-1 strip (the template's OWT): a row vector's worth
-        of input columns."""
-        return max(1, self.row_vec_elems(p, config) // p.stride[1])
-
-    def smem_rows(self, p: PoolProblem, config: Config) -> int:
-        """algo=smem: dx rows per block (the template's ck_smem_rows): whole th-row tiles, about
-        threads x tw x block_rows elements, at least one tile, at most the plane."""
-        th, tw = self.tile(config)
-        work = config["threads"] * tw * config["block_rows"]
-        return max(1, min(work // p.W, _cdiv(p.H, th))) * th
-
-    def _smem_out_rows(self, p: PoolProblem, config: Config) -> int:
-        """algo=smem: at most how many output rows have windows that touch one block's bh dx rows:
-        pend(r0 + bh - 1) - pstart(r0) <= (bh - 1 + effective kernel) // stride + 1, and <= OH."""
-        bh, ek, s = self.smem_rows(p, config), p.eff_kernel[0], p.stride[0]
-        return min(p.OH, (bh - 1 + ek) // s + 1)
-
-    def smem_bytes(self, p: PoolProblem, config: Config) -> int:
-        """algo=smem: dynamic shared memory per block, dy (fp32) and the argmax (int) of its outputs."""
-        return self._smem_out_rows(p, config) * p.OW * 8
-
-    def _blocks(self, p: PoolProblem, config: Config) -> int:
-        if config.as_dict().get("algo") == "smem":
-            return p.N * p.C * _cdiv(p.H, self.smem_rows(p, config))
-        return super()._blocks(p, config)
 
     def _regs_needed(self, p: PoolProblem, config: Config) -> int:
         th, tw = self.tile(config)
@@ -448,17 +407,13 @@ class _PoolBwd(_PoolOp):
         if self.aligned_gather(p, config):
             na, nb = self.cover_counts(p, config)
             xfoot = math.prod(self._x_footprint_dims(p, config)) if self.x_footprint(p, config) else 0
-            if config["algo"] == "smem":  # the phase-1 strip's x, KH rows x FC columns
-                xfoot = p.kernel[0] * ((self.smem_strip(p, config) - 1) * p.stride[1] + p.eff_kernel[1])
             return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32 + xfoot
         return th * tw * vec + 4 * vec + 32
 
     def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         main = super().launches(p, config, target)
-        if config["algo"] == "gather":
+        if config["algo"] != "scatter":
             return main
-        if config["algo"] == "smem":
-            return (Launch(main[0].kernel, main[0].grid, main[0].block, self.smem_bytes(p, config)),)
         name, t = main[0].kernel, config["threads"]
         fill = (min(_cdiv(_cdiv(p.numel * 4, 16), t), 65536), 1, 1)  # grid-stride loops
         if self._scatter_to_ws(p):
@@ -476,8 +431,6 @@ class _PoolBwd(_PoolOp):
             (h0, hn), (w0, wn) = _cover_span(ch), _cover_span(cw)
             ctx.update(aligned=True, cover_h=ch, cover_w=cw, cover_h0=h0, cover_hn=hn, cover_w0=w0, cover_wn=wn,
                        xfoot=self.x_footprint(p, config))
-            if config["algo"] == "smem":
-                ctx["owt"] = self.smem_strip(p, config)
         return ctx
 
     def output_buffers(self, p: PoolProblem) -> dict[str, tuple[int, Any]]:

@@ -6,13 +6,14 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from ...types import DTYPES, Config, Tolerance
+from ...types import DTYPES, Config, Launch, Support, Target, Tolerance
 from ..numeric import from_storage, round_to, to_storage
-from .base import _STORAGE_BITS, _PoolBwd, _PoolOp
+from .base import _STORAGE_BITS, _cdiv, _PoolBwd, _PoolOp
 from .problem import MaxPoolBwdProblem, MaxPoolFwdProblem, PoolProblem, maxpool2d_bwd_reference, maxpool2d_reference, tie_heavy
 
 # max pool backward: a sum of the few dy of overlapping windows in fp32, rounded once
 _MAXBWD_TOL = {"fp32": Tolerance(1e-6, 2e-6), "fp16": Tolerance(1e-5, 1e-3), "bf16": Tolerance(1e-5, 8e-3)}
+SMEM_MAX = 48 * 1024  # dynamic shared memory a block may use without opting in (CUDA and HIP)
 
 
 class MaxPool2dFwd(_PoolOp):
@@ -87,6 +88,70 @@ class MaxPool2dBwd(_PoolBwd):
 
     def _context_flags(self, p: MaxPoolBwdProblem) -> dict[str, Any]:
         return {"indices": p.indices}
+
+    # ---- algo=smem (indices=None, NCHW): a block's covering outputs in shared memory ----
+    def _validate_more(self, p: PoolProblem, config: Config, target: Target) -> Support:
+        ok = super()._validate_more(p, config, target)
+        if not ok or config["algo"] != "smem":
+            return ok
+        if getattr(p, "indices", "") != "recompute" or p.layout != "nchw":
+            return Support.no("algo=smem: max pool backward with indices=None (recompute), NCHW only")
+        if not self.aligned_gather(p, config):
+            return Support.no(f"algo=smem: th={config['th']} and tw={config['tw']} must be multiples of "
+                              f"the stride {p.stride[0]}x{p.stride[1]}")
+        rv = self.row_vec_elems(p, config)
+        if rv > 1 and rv % p.stride[1]:
+            return Support.no(f"algo=smem: a row vector of {rv} elements is not a whole "
+                              f"number of strides {p.stride[1]} (its outputs: a phase-1 strip)")
+        smem = self.smem_bytes(p, config)
+        if smem > SMEM_MAX:
+            return Support.no(f"algo=smem: {smem} bytes of shared memory for a block's outputs exceed {SMEM_MAX}")
+        return ok
+
+    def smem_strip(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: adjacent outputs per phase-1 strip (the template's OWT): a row vector's worth
+        of input columns."""
+        return max(1, self.row_vec_elems(p, config) // p.stride[1])
+
+    def smem_rows(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: dx rows per block (the template's ck_smem_rows): whole th-row tiles, about
+        threads x tw x block_rows elements, at least one tile, at most the plane."""
+        th, tw = self.tile(config)
+        work = config["threads"] * tw * config["block_rows"]
+        return max(1, min(work // p.W, _cdiv(p.H, th))) * th
+
+    def _smem_out_rows(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: at most how many output rows have windows that touch one block's bh dx rows:
+        pend(r0 + bh - 1) - pstart(r0) <= (bh - 1 + effective kernel) // stride + 1, and <= OH."""
+        bh, ek, s = self.smem_rows(p, config), p.eff_kernel[0], p.stride[0]
+        return min(p.OH, (bh - 1 + ek) // s + 1)
+
+    def smem_bytes(self, p: PoolProblem, config: Config) -> int:
+        """algo=smem: dynamic shared memory per block, dy (fp32) and the argmax (int) of its outputs."""
+        return self._smem_out_rows(p, config) * p.OW * 8
+
+    def _blocks(self, p: PoolProblem, config: Config) -> int:
+        if config.as_dict().get("algo") == "smem":
+            return p.N * p.C * _cdiv(p.H, self.smem_rows(p, config))
+        return super()._blocks(p, config)
+
+    def _regs_needed(self, p: PoolProblem, config: Config) -> int:
+        regs = super()._regs_needed(p, config)
+        if config["algo"] == "smem":  # plus the phase-1 strip's x, KH rows x FC columns
+            regs += p.kernel[0] * ((self.smem_strip(p, config) - 1) * p.stride[1] + p.eff_kernel[1])
+        return regs
+
+    def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
+        main = super().launches(p, config, target)
+        if config["algo"] == "smem":
+            return (Launch(main[0].kernel, main[0].grid, main[0].block, self.smem_bytes(p, config)),)
+        return main
+
+    def render_context(self, p: PoolProblem, config: Config, target: Target) -> dict[str, Any]:
+        ctx = super().render_context(p, config, target)
+        if config["algo"] == "smem":
+            ctx["owt"] = self.smem_strip(p, config)
+        return ctx
 
     def min_bytes(self, p: MaxPoolBwdProblem) -> int:
         item = DTYPES[p.dtype]["itemsize"]

@@ -211,7 +211,7 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
     # (pooling reads whole rows or pixels of all channels: long runs)
     if gn:
         split = d["cluster"] if d.get("merge") == "cluster" else d.get("global_split", d.get("split", 1))
-        tile = d["groups_per_block"] * p.C // p.G
+        tile = p.C if d.get("slice_in") == "rows" else d["groups_per_block"] * p.C // p.G
         if p.layout == "nchw":
             run = max(1, p.C // p.G * p.H * p.W // split) * item
         elif tile < p.C:
@@ -220,11 +220,11 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
             run = max(1, p.H * p.W // split) * p.C * item
         phi["sector"] = math.log(32 * (math.ceil(run / 32) + (1 if run % 32 else 0)) / run)
     if name == "groupnorm_fwd":
-        if d["slice_in"] == "reload":
+        if d["slice_in"] in ("reload", "rows"):
             phi["reread"] = math.log1p(x_bytes / need_bytes)
         phi["split"] = math.log2(d["cluster"] if d["merge"] == "cluster" else d["global_split"])
         if p.layout == "nhwc":
-            phi["gpb"] = math.log2(d["groups_per_block"])
+            phi["gpb"] = math.log2(p.G if d["slice_in"] == "rows" else d["groups_per_block"])
     elif gn:
         scheme = op.scheme(c)  # type: ignore[attr-defined]
         if name != "groupnorm_bwd_gamma_beta" and scheme != "single_pass":
@@ -269,7 +269,7 @@ def _regs(op: OpSpec, p: Problem, c: Config) -> int:
             return 32
     vec = d["vec_bytes"] // item
     if op.name == "groupnorm_fwd":
-        regs = (d["items"] * vec * item // 4 if d["slice_in"] == "regs" else d["items"] * vec // 2) + 32
+        regs = (d["items"] * vec * item // 4 if d["slice_in"] != "reload" else d["items"] * vec // 2) + 32
         return regs + (3 * vec if p.layout == "nhwc" else 0)
     single = op.scheme(c) == "single_pass"  # type: ignore[attr-defined]
     regs = (2 * d["items"] * vec * item // 4 if single else 2 * d["items"] * vec) + 40

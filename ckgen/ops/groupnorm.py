@@ -156,12 +156,14 @@ class GroupNormFwd(GroupNormOp):
         if p.Cg * p.HW // vec > INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
         # regs: x held packed (itemsize bytes per value); reload: vectors in flight, unpacked
-        regs_needed = (items * vec * item // 4 if config["slice_in"] == "regs" else items * vec // 2) + 32
+        regs_needed = (items * vec * item // 4 if config["slice_in"] != "reload" else items * vec // 2) + 32
         if p.layout == "nhwc":
             regs_needed += 3 * vec  # per-channel sums and shifts
         if regs_needed > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
+        if config["slice_in"] == "rows":
+            return self._validate_rows(p, config, vec, split)
         if p.layout == "nchw":
             if gpb != 1:
                 return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
@@ -205,6 +207,32 @@ class GroupNormFwd(GroupNormOp):
             return Support.no("grid too large")
         return Support.yes()
 
+    def _validate_rows(self, p: GroupNormProblem, config: Config, vec: int, split: int) -> Support:
+        """slice_in=rows: blocks of whole NHWC pixel rows (all C channels), SPLIT blocks per sample."""
+        threads = config["threads"]
+        if p.layout != "nhwc":
+            return Support.no("slice_in=rows reads whole NHWC pixel rows; NCHW slices are contiguous")
+        if p.C % vec:
+            return Support.no(f"vector of {vec} does not divide C={p.C}")
+        if p.C > 2048:
+            return Support.no(f"a row of C={p.C} channels exceeds 2048 (shared-memory channel sums)")
+        cols = p.C // vec
+        if cols > threads:
+            return Support.no(f"{cols} vector columns (C={p.C}) exceed threads={threads}")
+        rows = threads // cols
+        if rows * cols * 4 < threads * 3:
+            return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)")
+        share = -(-p.HW // split)
+        if split > 1 and share < rows:
+            return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
+        serial = -(-share // rows)
+        if serial > MAX_SERIAL_ADDS:
+            return Support.no(f"each thread would sum {serial} pixels of a channel serially in fp32 "
+                              f"(over {MAX_SERIAL_ADDS}: the mean loses accuracy); more rows or a split")
+        if p.N * split > INT32_MAX:
+            return Support.no("grid too large")
+        return Support.yes()
+
     def seed_configs(self, p: GroupNormProblem, target: Target, num_sms: int, count: int) -> list[Config]:
         """The valid configs a simple model likes best: wide vectors, x read once (regs), enough
         blocks to fill every SM, several blocks per SM, few registers."""
@@ -240,6 +268,8 @@ class GroupNormFwd(GroupNormOp):
 
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
         split = config["cluster"] if config["merge"] == "cluster" else config["global_split"]
+        if config["slice_in"] == "rows":
+            return p.N * split  # a block covers every group
         return p.N * (p.G // config["groups_per_block"]) * split
 
     def launches(self, p: GroupNormProblem, config: Config, target: Target) -> tuple[Launch, ...]:
@@ -250,8 +280,11 @@ class GroupNormFwd(GroupNormOp):
         return (Launch(name, grid, block),)
 
     def workspace_bytes(self, p: GroupNormProblem, config: Config) -> int:
-        # merge=global: (count, mean, M2) per block and group
-        return self._blocks(p, config) * config["groups_per_block"] * 3 * 4 if config["merge"] == "global" else 0
+        # merge=global: (count, mean, M2) per block and group; rows: (sum, sum of squares) of every group
+        if config["merge"] != "global":
+            return 0
+        gpb = p.G if config["slice_in"] == "rows" else config["groups_per_block"]
+        return self._blocks(p, config) * gpb * (2 if config["slice_in"] == "rows" else 3) * 4
 
     def min_bytes(self, p: GroupNormProblem) -> int:
         return 2 * p.numel * DTYPES[p.dtype]["itemsize"]  # read x once, write y once

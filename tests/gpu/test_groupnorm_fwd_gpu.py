@@ -41,7 +41,7 @@ def _configs(problem, target, n, seed):
     rng = random.Random(seed)
     rng.shuffle(valid)
     picked: list[Config] = []
-    for key in (("slice_in", "regs"), ("slice_in", "reload"), ("cluster", 2), ("cluster", 4), ("cluster", 8),
+    for key in (("slice_in", "regs"), ("slice_in", "reload"), ("slice_in", "rows"), ("cluster", 2), ("cluster", 4), ("cluster", 8),
                 ("merge", "global"), ("global_split", 16)):
         for c in valid:
             if c[key[0]] == key[1] and c not in picked:

@@ -269,7 +269,8 @@ def _regs(op: OpSpec, p: Problem, c: Config) -> int:
             return 32
     vec = d["vec_bytes"] // item
     if op.name == "groupnorm_fwd":
-        regs = (d["items"] * vec * item // 4 if d["slice_in"] != "reload" else d["items"] * vec // 2) + 32
+        packed = d["items"] * vec * item // 4
+        regs = {"regs": packed, "rows": 2 * packed}.get(d["slice_in"], d["items"] * vec // 2) + 32
         return regs + (3 * vec if p.layout == "nhwc" else 0)
     single = op.scheme(c) == "single_pass"  # type: ignore[attr-defined]
     regs = (2 * d["items"] * vec * item // 4 if single else 2 * d["items"] * vec) + 40

@@ -155,8 +155,10 @@ class GroupNormFwd(GroupNormOp):
             return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
         if p.Cg * p.HW // vec > INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
-        # regs: x held packed (itemsize bytes per value); reload: vectors in flight, unpacked
-        regs_needed = (items * vec * item // 4 if config["slice_in"] != "reload" else items * vec // 2) + 32
+        # regs: x held packed; rows: two steps of ITEMS packed vectors (one in flight, one in use);
+        # reload: the vectors in flight, unpacked
+        packed = items * vec * item // 4
+        regs_needed = {"regs": packed, "rows": 2 * packed}.get(config["slice_in"], items * vec // 2) + 32
         if p.layout == "nhwc":
             regs_needed += 3 * vec  # per-channel sums and shifts
         if regs_needed > _regs_per_thread(config):

@@ -142,10 +142,13 @@ ckgen_groupnorm_fwd_bf16_nhwc_t1024_v8_i4_g1_c1_rows_m1_gs8_stats(const ck_store
     // the thread's pixel rows p, p + R, ...: one pointer, ITEMS * R rows per step
     const int RC = R * C;
     const ck_store_t* xp = x + walk.base + (long long)walk.first * C;
-    for (int p = walk.first; p < walk.end; p += ITEMS * R) {
-      ck_raw_t raw[ITEMS];  // packed as loaded: vec_bytes / 4 registers per vector in flight
+    // software pipelined: the next step's ITEMS vectors are in flight while this step's are used
+    ck_raw_t raw[ITEMS], nxt[ITEMS];  // packed as loaded: vec_bytes / 4 registers per vector
 #pragma unroll
-      for (int j = 0; j < ITEMS; ++j) if (p + j * R < walk.end) raw[j] = ck_load_raw(xp + j * RC);
+    for (int j = 0; j < ITEMS; ++j) if (walk.first + j * R < walk.end) raw[j] = ck_load_raw(xp + j * RC);
+    for (int p = walk.first; p < walk.end; p += ITEMS * R) {
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) if (p + (ITEMS + j) * R < walk.end) nxt[j] = ck_load_raw(xp + (ITEMS + j) * RC);
 #pragma unroll
       for (int j = 0; j < ITEMS; ++j) {
         if (p + j * R < walk.end) {
@@ -155,6 +158,8 @@ ckgen_groupnorm_fwd_bf16_nhwc_t1024_v8_i4_g1_c1_rows_m1_gs8_stats(const ck_store
           for (int i = 0; i < VEC; ++i) { float d = v[i] - ks[i]; a1[i] += d; a2[i] = fmaf(d, d, a2[i]); }
         }
       }
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) raw[j] = nxt[j];
       xp += (long long)ITEMS * RC;
     }
   }
@@ -253,10 +258,13 @@ ckgen_groupnorm_fwd_bf16_nhwc_t1024_v8_i4_g1_c1_rows_m1_gs8(const ck_store_t* CK
     const int RC = R * C;
     const ck_store_t* xp = x + walk.base + (long long)walk.first * C;
     ck_store_t* yp = y + walk.base + (long long)walk.first * C;
-    for (int p = walk.first; p < walk.end; p += ITEMS * R) {
-      ck_raw_t raw[ITEMS];  // packed as loaded: vec_bytes / 4 registers per vector in flight
+    // software pipelined: the next step's ITEMS vectors are in flight while this step's are used
+    ck_raw_t raw[ITEMS], nxt[ITEMS];  // packed as loaded: vec_bytes / 4 registers per vector
 #pragma unroll
-      for (int j = 0; j < ITEMS; ++j) if (p + j * R < walk.end) raw[j] = ck_load_raw(xp + j * RC);
+    for (int j = 0; j < ITEMS; ++j) if (walk.first + j * R < walk.end) raw[j] = ck_load_raw(xp + j * RC);
+    for (int p = walk.first; p < walk.end; p += ITEMS * R) {
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) if (p + (ITEMS + j) * R < walk.end) nxt[j] = ck_load_raw(xp + (ITEMS + j) * RC);
 #pragma unroll
       for (int j = 0; j < ITEMS; ++j) {
         if (p + j * R < walk.end) {
@@ -271,6 +279,8 @@ ckgen_groupnorm_fwd_bf16_nhwc_t1024_v8_i4_g1_c1_rows_m1_gs8(const ck_store_t* CK
           ck_store(yp + j * RC, out);
         }
       }
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) raw[j] = nxt[j];
       xp += (long long)ITEMS * RC;
       yp += (long long)ITEMS * RC;
     }

@@ -22,6 +22,27 @@ ACTIVATIONS = ("none", "swish")
 MAX_SERIAL_ADDS = 8192
 
 
+def nhwc_tile(ch: int, vec: int, threads: int, split: int, hw: int, what: str,
+              max_ch: int | None = None) -> tuple[Support, int, int]:
+    """The NHWC block every GroupNorm kernel uses: R pixel rows x ch / vec vector columns of the
+    `ch` channels it covers (`what` names them in the reasons), its share of the slice's `hw`
+    pixels split over `split` blocks. Returns (verdict, R, pixels per block)."""
+    if ch % vec:
+        return Support.no(f"vector of {vec} does not divide {what}"), 0, 0
+    if max_ch is not None and ch > max_ch:
+        return Support.no(f"{what} exceed {max_ch} (shared-memory channel sums)"), 0, 0
+    cols = ch // vec
+    if cols > threads:
+        return Support.no(f"{cols} vector columns ({what}) exceed threads={threads}"), 0, 0
+    rows = threads // cols
+    if rows * cols * 4 < threads * 3:
+        return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)"), 0, 0
+    share = -(-hw // split)
+    if split > 1 and share < rows:
+        return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})"), 0, 0
+    return Support.yes(), rows, share
+
+
 @dataclass(frozen=True)
 class GroupNormProblem(Problem):
     """Everything that picks a GroupNorm instance: the DB key. eps is a run-time argument."""
@@ -184,26 +205,16 @@ class GroupNormFwd(GroupNormOp):
         else:
             if p.G % gpb:
                 return Support.no(f"groups_per_block={gpb} does not divide G={p.G}")
-            ch = gpb * p.Cg
-            if ch % vec:
-                return Support.no(f"vector of {vec} does not divide the tile's {ch} channels ({gpb} groups x {p.Cg})")
-            if ch > 2048:
-                return Support.no(f"tile of {ch} channels exceeds 2048 (shared-memory channel sums)")
-            cols = ch // vec
-            if cols > threads:
-                return Support.no(f"{cols} vector columns ({gpb} groups x {p.Cg} channels) exceed threads={threads}")
-            rows = threads // cols
-            if rows * cols * 4 < threads * 3:
-                return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)")
-            share = -(-p.HW // split)
+            tile, rows, share = nhwc_tile(gpb * p.Cg, vec, threads, split, p.HW,
+                                          f"the tile's {gpb * p.Cg} channels ({gpb} groups x {p.Cg})", 2048)
+            if not tile:
+                return tile
             if config["slice_in"] == "regs" and share > rows * items:
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
             serial = -(-share // rows)  # pixel rows one thread adds into each channel's accumulator (reload)
             if config["slice_in"] == "reload" and serial > MAX_SERIAL_ADDS:
                 return Support.no(f"each thread would sum {serial} pixels of a channel serially in fp32 "
                                   f"(over {MAX_SERIAL_ADDS}: the mean loses accuracy); more rows or a split")
-            if split > 1 and share < rows:
-                return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
         tiles = p.N * (p.G // gpb) * split
         if tiles > INT32_MAX:
             return Support.no("grid too large")
@@ -214,19 +225,9 @@ class GroupNormFwd(GroupNormOp):
         threads = config["threads"]
         if p.layout != "nhwc":
             return Support.no("slice_in=rows reads whole NHWC pixel rows; NCHW slices are contiguous")
-        if p.C % vec:
-            return Support.no(f"vector of {vec} does not divide C={p.C}")
-        if p.C > 2048:
-            return Support.no(f"a row of C={p.C} channels exceeds 2048 (shared-memory channel sums)")
-        cols = p.C // vec
-        if cols > threads:
-            return Support.no(f"{cols} vector columns (C={p.C}) exceed threads={threads}")
-        rows = threads // cols
-        if rows * cols * 4 < threads * 3:
-            return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)")
-        share = -(-p.HW // split)
-        if split > 1 and share < rows:
-            return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
+        tile, rows, share = nhwc_tile(p.C, vec, threads, split, p.HW, f"the row's C={p.C} channels", 2048)
+        if not tile:
+            return tile
         serial = -(-share // rows)
         if serial > MAX_SERIAL_ADDS:
             return Support.no(f"each thread would sum {serial} pixels of a channel serially in fp32 "

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .groupnorm import GroupNormOp, GroupNormProblem, groupnorm_bwd_reference, groupnorm_fwd_reference
+from .groupnorm import GroupNormOp, GroupNormProblem, groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile
 from .numeric import from_storage, round_to, to_storage
 from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
@@ -76,19 +76,12 @@ class _GroupNormBwd(GroupNormOp):
         else:
             if p.G % gpb:
                 return Support.no(f"groups_per_block={gpb} does not divide G={p.G}")
-            if ch % vec:
-                return Support.no(f"vector of {vec} does not divide the tile's {ch} channels ({gpb} groups x {p.Cg})")
-            cols = ch // vec
-            if cols > threads:
-                return Support.no(f"{cols} vector columns ({gpb} groups x {p.Cg} channels) exceed threads={threads}")
-            rows = threads // cols
-            if rows * cols * 4 < threads * 3:
-                return Support.no(f"{threads - rows * cols} of {threads} threads would idle ({cols} columns)")
-            share = -(-p.HW // split)
+            tile, rows, share = nhwc_tile(ch, vec, threads, split, p.HW,
+                                          f"the tile's {ch} channels ({gpb} groups x {p.Cg})")
+            if not tile:
+                return tile
             if scheme == "single_pass" and share > rows * items:
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
-            if split > 1 and share < rows:
-                return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})")
         if self._blocks(p, config) > _INT32_MAX or p.N * split * p.C * 2 > _INT32_MAX:
             return Support.no("grid or workspace too large")
         return Support.yes()

@@ -183,6 +183,41 @@ def test_cluster_configs_compile_for_sm90() -> None:
         assert len(b.cubin) > 0
 
 
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_rows_configs_compile_and_launch_two_kernels(shape: str) -> None:
+    """slice_in=rows (NHWC whole pixel rows): a stats and a normalize kernel over N x global_split
+    blocks, a workspace of (sum, sum of squares) per (block, group); compiles for sm_90 and sm_80
+    (the widest vectors and the most items, where the two pipelined steps need the most registers)."""
+    p = _problem("bf16", "nhwc", "swish", shape)
+    for arch in ("sm_90", "sm_80"):
+        rows = [c for c in _valid(p, arch) if c["slice_in"] == "rows"]
+        assert rows, f"no valid rows config for {p.key()} on {arch}"
+        picks = [max(rows, key=lambda c: (c["vec_bytes"], c["items"], c["threads"])),
+                 min(rows, key=lambda c: (c["threads"], c["global_split"])),
+                 *random.Random(shape + arch).sample(rows, 2)]
+        for c in picks:
+            launches = OP.launches(p, c, Target.named(arch))
+            assert [l.grid[0] for l in launches] == [p.N * c["global_split"]] * 2
+            assert launches[0].kernel.endswith("_stats")
+            assert OP.workspace_bytes(p, c) == p.N * c["global_split"] * p.G * 2 * 4
+        for b in _compile_all([_render(p, c, arch) for c in picks], arch):
+            assert len(b.cubin) > 0
+
+
+def test_validate_rejects_rows_for_nchw_and_wide_rows() -> None:
+    t = Target.named("sm_90")
+    cfg = OP.space.default.replace(slice_in="rows", merge="global", global_split=8, vec_bytes=16)
+    assert OP.validate(_problem("bf16", "nhwc", "none", "cg16"), cfg, t)
+    ok = OP.validate(_problem("bf16", "nchw", "none", "cg16"), cfg, t)
+    assert not ok and "rows" in ok.reason and "NHWC" in ok.reason
+    wide = OP.parse_problem(N=2, C=2560, H=16, W=16, G=32, dtype="bf16", layout="nhwc")
+    ok = OP.validate(wide, cfg.replace(threads=512), t)
+    assert not ok and "2048" in ok.reason
+    bad = cfg.replace(groups_per_block=2)
+    assert not OP.validate(_problem("bf16", "nhwc", "none", "cg16"), bad, t), "rows covers every group"
+
+
 # ------------------------------------------------------------------ compile errors
 
 

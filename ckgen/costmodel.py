@@ -67,6 +67,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from .ops import get_op
+from .ops.groupnorm import fwd_regs_needed
 from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
 
 FORMAT = "ckgen-costmodel"
@@ -269,9 +270,7 @@ def _regs(op: OpSpec, p: Problem, c: Config) -> int:
             return 32
     vec = d["vec_bytes"] // item
     if op.name == "groupnorm_fwd":
-        packed = d["items"] * vec * item // 4
-        regs = {"regs": packed, "rows": 2 * packed}.get(d["slice_in"], d["items"] * vec // 2) + 32
-        return regs + (3 * vec if p.layout == "nhwc" else 0)
+        return fwd_regs_needed(p, c)  # type: ignore[arg-type]
     single = op.scheme(c) == "single_pass"  # type: ignore[attr-defined]
     regs = (2 * d["items"] * vec * item // 4 if single else 2 * d["items"] * vec) + 40
     return regs + (7 * vec if p.layout == "nhwc" else 0)

@@ -98,6 +98,16 @@ def _regs_per_thread(config: Config) -> int:
     return min(255, 65536 // (config["threads"] * config["min_blocks"]))
 
 
+def fwd_regs_needed(p: GroupNormProblem, config: Config) -> int:
+    """The forward's registers per thread, estimated (validate's budget check and the cost model):
+    regs holds x packed; rows two steps of ITEMS packed vectors (one in flight, one in use);
+    reload the vectors in flight, unpacked; NHWC adds per-channel sums and shifts."""
+    item = DTYPES[p.dtype]["itemsize"]
+    vec = config["vec_bytes"] // item
+    packed = config["items"] * vec * item // 4
+    regs = {"regs": packed, "rows": 2 * packed}.get(config["slice_in"], config["items"] * vec // 2) + 32
+    return regs + (3 * vec if p.layout == "nhwc" else 0)
+
 class GroupNormOp(OpSpec):
     """The problem side every GroupNorm op (forward and backward) shares: problem type, CLI and
     default problems, tuning space by op name, random x/gamma/beta, distance between problems."""
@@ -176,12 +186,7 @@ class GroupNormFwd(GroupNormOp):
             return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
         if p.Cg * p.HW // vec > INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
-        # regs: x held packed; rows: two steps of ITEMS packed vectors (one in flight, one in use);
-        # reload: the vectors in flight, unpacked
-        packed = items * vec * item // 4
-        regs_needed = {"regs": packed, "rows": 2 * packed}.get(config["slice_in"], items * vec // 2) + 32
-        if p.layout == "nhwc":
-            regs_needed += 3 * vec  # per-channel sums and shifts
+        regs_needed = fwd_regs_needed(p, config)
         if regs_needed > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")

@@ -68,6 +68,7 @@ import numpy as np
 
 from .ops import get_op
 from .ops.groupnorm import fwd_regs_needed
+from .ops.groupnorm_bwd import bwd_regs_needed
 from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
 
 FORMAT = "ckgen-costmodel"
@@ -189,6 +190,8 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
     name = op.name
     gn = name.startswith("groupnorm")
     unroll = d["items"] if gn else d.get("th", 1) * d.get("tw", 1)
+    if d.get("scheme") == "pipelined":
+        unroll *= 2  # two steps of vectors in flight
     streams = 2 if name in ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta") else 1
     vec_bytes = d["vec_bytes"]
     if not gn and p.layout == "nchw" and name.endswith("_bwd"):
@@ -260,20 +263,16 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
 
 def _regs(op: OpSpec, p: Problem, c: Config) -> int:
     """Registers per thread (at least 32): pooling's `regs_used` (what the compiler is expected to
-    allocate, up to the launch bounds' budget); GroupNorm's estimated here."""
-    d, item = c.as_dict(), DTYPES[p.dtype]["itemsize"]
+    allocate, up to the launch bounds' budget); GroupNorm's from its ops' estimates."""
     est = getattr(op, "regs_used", None)  # the pooling ops have it; GroupNorm's is below
     if est is not None:
         try:
             return max(32, int(est(p, c)))
         except (KeyError, ValueError, ZeroDivisionError):
             return 32
-    vec = d["vec_bytes"] // item
     if op.name == "groupnorm_fwd":
         return fwd_regs_needed(p, c)  # type: ignore[arg-type]
-    single = op.scheme(c) == "single_pass"  # type: ignore[attr-defined]
-    regs = (2 * d["items"] * vec * item // 4 if single else 2 * d["items"] * vec) + 40
-    return regs + (7 * vec if p.layout == "nhwc" else 0)
+    return bwd_regs_needed(p, c, op.scheme(c))  # type: ignore[arg-type,attr-defined]
 
 
 def launch_floor(launches: Any, first: float, nxt: float) -> Any:

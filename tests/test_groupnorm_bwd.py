@@ -36,7 +36,7 @@ def _configs(op, p, arch, n, seed):
     rng.shuffle(valid)
     picked = [first]
     if "scheme" in op.space.params:
-        for scheme in ("single_pass", "fused", "multi_stage"):
+        for scheme in ("single_pass", "fused", "multi_stage", "pipelined"):
             picked += [c for c in valid if c["scheme"] == scheme and c not in picked][:1]
     picked += [c for c in valid if c not in picked][:max(0, n - len(picked))]
     return picked
@@ -114,6 +114,44 @@ def test_single_pass_nchw_per_vector_partials_bound():
     why = op.validate(p, held.replace(items=8), sm90)
     assert not why and "exceeds 4096 per-vector partials" in why.reason
     assert compile_offline(render_instance(op, p, held, sm90), sm90).cubin
+
+
+def test_pipelined_is_nhwc_multi_stage_with_a_pipelined_stream():
+    """scheme=pipelined: NHWC only (named in the reason); the workspace of multi_stage, and its
+    sums and dx kernels, dgamma/dbeta folded in the dx kernel (no third launch); both kernels
+    stream x and dy two steps deep (packed as loaded), the dx kernel backward; whole pixel rows
+    included (groups_per_block = G); it builds for sm_90 and sm_80 (no clusters needed), and the
+    register estimate counts the two packed steps."""
+    from ckgen.ops.groupnorm_bwd import bwd_regs_needed
+
+    op, sm90, sm80 = get_op("groupnorm_bwd"), Target.named("sm_90"), Target.named("sm_80")
+    shape = dict(N=4, C=320, H=16, W=16, G=32, activation="swish")
+    p = op.parse_problem(**shape, dtype="bf16", layout="nhwc")
+    p32 = op.parse_problem(**shape, dtype="fp32", layout="nhwc")
+    rows = op.space.default.replace(scheme="pipelined", groups_per_block=32, split=4, threads=256, items=2)
+    ms = rows.replace(scheme="multi_stage")
+    assert op.validate(p, rows, sm90) and op.validate(p, rows, sm80)
+    why = op.validate(op.parse_problem(**shape, dtype="bf16", layout="nchw"), rows, sm90)
+    assert not why and "NHWC" in why.reason
+    name = op.instance_name(p, rows)
+    assert "_pl_" in name
+    assert [l.kernel for l in op.launches(p, rows, sm90)] == [name + s for s in ("_stats", "")]  # dgb in the dx kernel
+    data = get_op("groupnorm_bwd_data")
+    assert [l.kernel for l in data.launches(p, rows, sm90)] == [data.instance_name(p, rows) + s for s in ("_stats", "")]
+    assert op.workspace_bytes(p, rows) == op.workspace_bytes(p, ms) > 0
+    # two packed bf16 steps take the registers of one fp32 step; packed fp32 takes twice that
+    assert bwd_regs_needed(p, rows, "pipelined") == bwd_regs_needed(p, ms, "multi_stage")
+    assert bwd_regs_needed(p32, rows, "pipelined") > bwd_regs_needed(p32, ms, "multi_stage")
+    narrow = rows.replace(groups_per_block=4, items=4)
+    builds = [(rows, sm90), (narrow, sm90), (rows, sm80)]
+    for c, t in builds:
+        src = render_instance(op, p, c, t)
+        # the next step in flight in both kernels; the dx kernel walks the rows backward
+        assert src.code.count("ck_load_raw(xq + (ITEMS + j) * RC)") == 1
+        assert src.code.count("ck_load_raw(xq - (ITEMS + j) * RC)") == 1
+        assert "ck_store(oq - j * RC, out)" in src.code
+        assert "cb * DGB_CH < C; cb += gridDim.x" in src.code and "_dgb(CK_ARGS)" not in src.code
+        assert compile_offline(src, t).cubin
 
 
 @pytest.mark.parametrize("name,kernels", [

@@ -21,6 +21,20 @@ def _regs_per_thread(config: Config) -> int:
     return min(255, 65536 // (config["threads"] * config["min_blocks"]))
 
 
+STAGED = ("multi_stage", "pipelined")  # the schemes of a sums kernel, then a dx kernel
+
+
+def bwd_regs_needed(p: GroupNormProblem, config: Config, scheme: str) -> int:
+    """Estimated registers per thread of the backward's kernels (validate and the cost model)."""
+    item = DTYPES[p.dtype]["itemsize"]
+    vec, items = config["vec_bytes"] // item, config["items"]
+    packed = 2 * items * vec * item // 4  # x and dy, `items` vectors each, as loaded
+    # single_pass holds x and dy packed; pipelined keeps two steps packed; fused and multi_stage
+    # stream 2 x items x vec fp32 values
+    regs = {"single_pass": packed, "pipelined": 2 * packed}.get(scheme, 2 * items * vec) + 40
+    return regs + (7 * vec if p.layout == "nhwc" else 0)  # fixed per-channel params, sums, dx coefficients
+
+
 class _GroupNormBwd(GroupNormOp):
     """What the three backward ops share; subclasses say which outputs they produce."""
 
@@ -45,16 +59,14 @@ class _GroupNormBwd(GroupNormOp):
         vec = vb // item
         if threads % target.warp_size:
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
-        if scheme != "multi_stage" and split > 1 and not target.clusters:
+        if scheme == "pipelined" and p.layout != "nhwc":
+            return Support.no("scheme=pipelined streams NHWC pixel rows; NCHW slices are contiguous")
+        if scheme not in STAGED and split > 1 and not target.clusters:
             return Support.no(f"{scheme} with split={split} needs thread-block clusters (sm_90+); "
                               f"{target.arch} has none (multi_stage splits through memory)")
         if p.Cg * p.HW // vec > _INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
-        # single_pass holds x and dy packed; streaming keeps 2 x items x vec fp32 values in flight
-        regs = (2 * items * vec * item // 4 if scheme == "single_pass" else 2 * items * vec) + 40
-        if p.layout == "nhwc":
-            regs += 7 * vec  # fixed per-channel params, sums and dx coefficients
-        if regs > _regs_per_thread(config):
+        if bwd_regs_needed(p, config, scheme) > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values of x and dy per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
         ch = gpb * p.Cg
@@ -101,13 +113,13 @@ class _GroupNormBwd(GroupNormOp):
         return self.families_first(valid, count)
 
     def seed_family(self, config: Config) -> tuple[str, bool]:
-        """The scheme (single_pass, fused, multi_stage) and whether the slice is split."""
+        """The scheme (single_pass, fused, multi_stage, pipelined) and whether the slice is split."""
         return (self.scheme(config), config["split"] > 1)
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config
         act = "_swish" if p.activation == "swish" else ""
-        scheme = {"single_pass": "sp", "fused": "fu", "multi_stage": "ms"}[self.scheme(c)]
+        scheme = {"single_pass": "sp", "fused": "fu", "multi_stage": "ms", "pipelined": "pl"}[self.scheme(c)]
         return (f"ckgen_{self.name}_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}_i{c['items']}"
                 f"_g{c['groups_per_block']}_{scheme}_s{c['split']}_m{c['min_blocks']}")
 
@@ -126,20 +138,20 @@ class _GroupNormBwd(GroupNormOp):
         grid, block = (self._blocks(p, config), 1, 1), (config["threads"], 1, 1)
         smem = 2 * 4 * config["groups_per_block"] * p.Cg  # per-channel sums (dynamic shared memory)
         out: list[Launch] = []
-        if self.scheme(config) == "multi_stage":
+        if self.scheme(config) in STAGED:
             out.append(Launch(f"{name}_stats", grid, block, smem))
         if self.want_dx:
             out.append(Launch(name, grid, block, smem))
-        if self.want_dgb:
+        if self.want_dgb and not (self.want_dx and self.scheme(config) == "pipelined"):  # else in the dx kernel
             out.append(Launch(f"{name}_dgb", (-(-p.C // DGB_CHANNELS), 1, 1), (DGB_CHANNELS * DGB_ROW_LANES, 1, 1)))
         return tuple(out)
 
     def _ab_floats(self, p: GroupNormProblem, config: Config) -> int:
-        multi = self.want_dx and self.scheme(config) == "multi_stage"
+        multi = self.want_dx and self.scheme(config) in STAGED
         return self._blocks(p, config) * config["groups_per_block"] * 2 if multi else 0
 
     def workspace_bytes(self, p: GroupNormProblem, config: Config) -> int:
-        # (ds, db) partial rows of the dgamma/dbeta fold first, then multi_stage's A/B partials
+        # (ds, db) partial rows of the dgamma/dbeta fold first, then the staged schemes' A/B partials
         dgb = p.N * config["split"] * p.C * 2 if self.want_dgb else 0
         return 4 * (dgb + self._ab_floats(p, config))
 

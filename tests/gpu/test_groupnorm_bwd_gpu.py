@@ -1,5 +1,6 @@
 """GPU tier for the GroupNorm backward ops: every op x dtype x layout x activation x configs of
-every scheme (single_pass, fused, multi_stage; split 1 and > 1) on edge-case shapes, against
+every scheme (single_pass, fused, multi_stage, pipelined; split 1 and > 1; pipelined over whole
+pixel rows too) on edge-case shapes, against
 the float64 reference (poisoned outputs, fresh random inputs) and against PyTorch autograd;
 dgamma/dbeta bitwise identical across runs."""
 from __future__ import annotations
@@ -40,17 +41,20 @@ def target():
 
 
 def _configs(op, problem, target, n, seed):
-    """n valid configs covering every scheme, split 1 and > 1, then random others."""
+    """n valid configs covering every scheme, split 1 and > 1 (and pipelined over whole pixel
+    rows, groups_per_block = G), then random others."""
     valid = [c for c in op.space.enumerate() if op.validate(problem, c, target)]
     rng = random.Random(seed)
     rng.shuffle(valid)
     picked: list[Config] = []
-    schemes = ("single_pass", "fused", "multi_stage") if "scheme" in op.space.params else (None,)
+    schemes = ("single_pass", "fused", "multi_stage", "pipelined") if "scheme" in op.space.params else (None,)
     for scheme, split in itertools.product(schemes, (False, True)):
         for c in valid:
             if (scheme is None or c["scheme"] == scheme) and (c["split"] > 1) == split:
                 picked.append(c)
                 break
+    picked += [c for c in valid if c.as_dict().get("scheme") == "pipelined"
+               and c["groups_per_block"] == problem.G and c not in picked][:1]
     families = len(picked)
     for c in valid:
         if len(picked) >= max(n, families):

@@ -116,12 +116,12 @@ def test_single_pass_nchw_per_vector_partials_bound():
     assert compile_offline(render_instance(op, p, held, sm90), sm90).cubin
 
 
-def test_pipelined_is_nhwc_multi_stage_with_a_pipelined_stream():
-    """scheme=pipelined: NHWC only (named in the reason); the workspace of multi_stage, and its
-    sums and dx kernels, dgamma/dbeta folded in the dx kernel (no third launch); both kernels
-    stream x and dy two steps deep (packed as loaded), the dx kernel backward; whole pixel rows
-    included (groups_per_block = G); it builds for sm_90 and sm_80 (no clusters needed), and the
-    register estimate counts the two packed steps."""
+def test_pipelined_is_multi_stage_in_two_kernels():
+    """scheme=pipelined: the workspace of multi_stage, and its sums and dx kernels, dgamma/dbeta
+    folded in the dx kernel (no third launch). NHWC: both kernels stream x and dy two steps deep
+    (packed as loaded), the dx kernel backward; whole pixel rows included (groups_per_block = G).
+    NCHW: multi_stage's streams. It builds for sm_90 and sm_80 (no clusters needed), and the
+    register estimate counts the two packed steps (NHWC)."""
     from ckgen.ops.groupnorm_bwd import bwd_regs_needed
 
     op, sm90, sm80 = get_op("groupnorm_bwd"), Target.named("sm_90"), Target.named("sm_80")
@@ -131,8 +131,16 @@ def test_pipelined_is_nhwc_multi_stage_with_a_pipelined_stream():
     rows = op.space.default.replace(scheme="pipelined", groups_per_block=32, split=4, threads=256, items=2)
     ms = rows.replace(scheme="multi_stage")
     assert op.validate(p, rows, sm90) and op.validate(p, rows, sm80)
-    why = op.validate(op.parse_problem(**shape, dtype="bf16", layout="nchw"), rows, sm90)
-    assert not why and "NHWC" in why.reason
+    # NCHW: multi_stage's kernels and register estimate, without the _dgb launch
+    q = op.parse_problem(**shape, dtype="bf16", layout="nchw")
+    flat = rows.replace(groups_per_block=1)
+    assert op.validate(q, flat, sm90)
+    assert bwd_regs_needed(q, flat, "pipelined") == bwd_regs_needed(q, flat.replace(scheme="multi_stage"), "multi_stage")
+    nchw = render_instance(op, q, flat, sm90)
+    assert "_dgb(CK_ARGS)" not in nchw.code and "cb * DGB_CH < C; cb += gridDim.x" in nchw.code
+    assert "ck_load_raw(xq" not in nchw.code
+    assert [l.kernel for l in op.launches(q, flat, sm90)] == [op.instance_name(q, flat) + s for s in ("_stats", "")]
+    assert compile_offline(nchw, sm90).cubin
     name = op.instance_name(p, rows)
     assert "_pl_" in name
     assert [l.kernel for l in op.launches(p, rows, sm90)] == [name + s for s in ("_stats", "")]  # dgb in the dx kernel

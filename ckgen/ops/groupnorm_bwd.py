@@ -29,9 +29,14 @@ def bwd_regs_needed(p: GroupNormProblem, config: Config, scheme: str) -> int:
     item = DTYPES[p.dtype]["itemsize"]
     vec, items = config["vec_bytes"] // item, config["items"]
     packed = 2 * items * vec * item // 4  # x and dy, `items` vectors each, as loaded
-    # single_pass holds x and dy packed; pipelined keeps two steps packed; fused and multi_stage
-    # stream 2 x items x vec fp32 values
-    regs = {"single_pass": packed, "pipelined": 2 * packed}.get(scheme, 2 * items * vec) + 40
+    # single_pass holds x and dy packed; NHWC pipelined keeps two steps packed; the other streams
+    # keep 2 x items x vec fp32 values
+    if scheme == "single_pass":
+        regs = packed + 40
+    elif scheme == "pipelined" and p.layout == "nhwc":
+        regs = 2 * packed + 40
+    else:
+        regs = 2 * items * vec + 40
     return regs + (7 * vec if p.layout == "nhwc" else 0)  # fixed per-channel params, sums, dx coefficients
 
 
@@ -59,8 +64,6 @@ class _GroupNormBwd(GroupNormOp):
         vec = vb // item
         if threads % target.warp_size:
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
-        if scheme == "pipelined" and p.layout != "nhwc":
-            return Support.no("scheme=pipelined streams NHWC pixel rows; NCHW slices are contiguous")
         if scheme not in STAGED and split > 1 and not target.clusters:
             return Support.no(f"{scheme} with split={split} needs thread-block clusters (sm_90+); "
                               f"{target.arch} has none (multi_stage splits through memory)")

@@ -66,7 +66,7 @@ class _GroupNormBwd(GroupNormOp):
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         if scheme not in STAGED and split > 1 and not target.clusters:
             return Support.no(f"{scheme} with split={split} needs thread-block clusters (sm_90+); "
-                              f"{target.arch} has none (multi_stage splits through memory)")
+                              f"{target.arch} has none (multi_stage and pipelined split through memory)")
         if p.Cg * p.HW // vec > _INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
         if bwd_regs_needed(p, config, scheme) > _regs_per_thread(config):

@@ -101,6 +101,10 @@ class _GroupNormBwd(GroupNormOp):
             return Support.no("grid or workspace too large")
         return Support.yes()
 
+    def dgb_in_dx(self, config: Config) -> bool:
+        """pipelined folds dgamma/dbeta in its dx kernel: no `_dgb` kernel (or launch) of their own."""
+        return self.want_dx and self.want_dgb and self.scheme(config) == "pipelined"
+
     def seed_configs(self, p: GroupNormProblem, target: Target, num_sms: int, count: int) -> list[Config]:
         """Valid configs a simple model likes: wide vectors, enough blocks to fill the GPU, data read
         once where it fits, and one of each (scheme, split > 1) family first."""
@@ -130,7 +134,8 @@ class _GroupNormBwd(GroupNormOp):
         d = DTYPES[p.dtype]
         return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, activation=p.activation,
                     storage=d["storage"], itemsize=d["itemsize"], vec=config["vec_bytes"] // d["itemsize"],
-                    want_dx=self.want_dx, want_dgb=self.want_dgb, scheme=self.scheme(config))
+                    want_dx=self.want_dx, want_dgb=self.want_dgb, scheme=self.scheme(config),
+                    dgb_in_dx=self.dgb_in_dx(config))
 
     # ---- launches and memory ----
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
@@ -145,7 +150,7 @@ class _GroupNormBwd(GroupNormOp):
             out.append(Launch(f"{name}_stats", grid, block, smem))
         if self.want_dx:
             out.append(Launch(name, grid, block, smem))
-        if self.want_dgb and not (self.want_dx and self.scheme(config) == "pipelined"):  # else in the dx kernel
+        if self.want_dgb and not self.dgb_in_dx(config):
             out.append(Launch(f"{name}_dgb", (-(-p.C // DGB_CHANNELS), 1, 1), (DGB_CHANNELS * DGB_ROW_LANES, 1, 1)))
         return tuple(out)
 

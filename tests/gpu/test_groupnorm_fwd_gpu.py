@@ -87,6 +87,29 @@ def test_configs_match_reference(dtype, layout, act, shape, target):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 4, 96, 96, 2), (2, 8, 33, 31, 8), (2, 64, 40, 40, 16), (1, 1536, 6, 6, 32)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_rows_channel_sums_match_reference(dtype, shape, target):
+    """slice_in=rows sums each channel over the block's R = threads / (C / VEC) pixel rows: every
+    threads x vector width, few and many channels (R from 1 to 1024)."""
+    from ckgen.verify import Harness
+
+    N, C, H, W, G = shape
+    p = OP.parse_problem(N=N, C=C, H=H, W=W, G=G, dtype=dtype, layout="nhwc", activation="none")
+    configs = [c for c in OP.space.enumerate() if c["slice_in"] == "rows" and c["items"] == 2
+               and c["global_split"] in (4, 64) and c["min_blocks"] == 1 and OP.validate(p, c, target)]
+    assert len({(c["threads"], c["vec_bytes"]) for c in configs}) >= 3, configs
+    h = Harness(OP, p)
+    bad = []
+    for c in configs:
+        src = render_instance(OP, p, c, target)
+        chk = h.check(h.runner(src, c, target))
+        if not chk.ok:
+            bad.append(f"{src.name}: {chk.detail}")
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("dtype,layout", [("fp32", "nchw"), ("bf16", "nhwc"), ("fp16", "nchw")])
 def test_cancellation_large_mean(dtype, layout, target):
     """x = 1000 + small noise: the variance must not cancel. mean and rstd are held to the usual

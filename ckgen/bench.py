@@ -60,6 +60,12 @@ extern "C" __global__ void ckgen_spin(unsigned long long ns) {
 """
 
 
+def spin_ns(host_s: float) -> int:
+    """The spin before a timed run: twice the call's host time in seconds (counted up to 2 ms,
+    so a slow or unknown host time spins 4 ms) plus 20 us, in nanoseconds."""
+    return int(round((2 * min(host_s, 2e-3) + 20e-6) * 1e9))
+
+
 class Timer:
     """Times callables on the current CuPy stream. Before each timed run (outside the timed
     region): an L2 flush that evicts every line (`_FLUSH_SRC`), then a spin of twice the call's
@@ -96,13 +102,13 @@ class Timer:
             t0 = time.perf_counter()
             fn()
             host = min(host, time.perf_counter() - t0)
-        spin_ns = cp.uint64(int((2 * min(host, 2e-3) + 20e-6) * 1e9))
+        spin = cp.uint64(spin_ns(host))
         n = runs or self.runs
         events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(n)]
         for i, (a, b) in enumerate(events):
             self.flush(i)
             if self._spin is not None:
-                self._spin((1,), (1,), (spin_ns,))
+                self._spin((1,), (1,), (spin,))
             a.record()
             fn()
             b.record()

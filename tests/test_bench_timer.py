@@ -13,7 +13,7 @@ from ckgen.ops.spec import Target
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("name,code", [("ckgen_l2_flush", _FLUSH_SRC), ("ckgen_spin", _SPIN_SRC)])
+@pytest.mark.parametrize("name,code", [("timer_l2_flush", _FLUSH_SRC), ("timer_spin", _SPIN_SRC)])
 def test_timer_kernels_compile_offline(arch: str, name: str, code: str) -> None:
     src = KernelSource(name, code, hashlib.sha256(code.encode()).hexdigest(), "ckgen/bench.py")
     b = compile_offline(src, Target.named(arch))

@@ -11,10 +11,11 @@
 Plus the copy that defines copy-equivalent efficiency, timed like `Timer.time`."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,21 @@ extern "C" __global__ void timer_spin(unsigned long long ns) {
 """
 
 
+@functools.lru_cache(maxsize=1)
+def _timer_kernels() -> tuple[Any, Any] | None:
+    """(flush, spin) RawKernels, built once per process (every Timer shares them: the tuner and
+    online tuning make one per problem); None where they cannot be built (HIP, before sm_80)."""
+    import cupy
+
+    try:
+        flush, spin = cupy.RawKernel(_FLUSH_SRC, "timer_l2_flush"), cupy.RawKernel(_SPIN_SRC, "timer_spin")
+        flush.compile()
+        spin.compile()
+        return flush, spin
+    except Exception:  # noqa: BLE001 - a plain fill and no spin then
+        return None
+
+
 def spin_ns(host_s: float) -> int:
     """The spin before a timed run: twice the call's host time in seconds (counted up to 2 ms,
     so a slow or unknown host time spins 4 ms) plus 20 us, in nanoseconds."""
@@ -79,25 +95,29 @@ class Timer:
         self._cupy = cupy
         self._flush = cupy.empty(max(2 * l2_bytes, 8 << 20) // 128 * 128, dtype=cupy.uint8)
         self.warmup, self.runs = warmup, runs
-        self._flush_kernel = self._spin = None
-        try:
-            flush, spin = cupy.RawKernel(_FLUSH_SRC, "timer_l2_flush"), cupy.RawKernel(_SPIN_SRC, "timer_spin")
-            flush.compile()
-            spin.compile()
-            self._flush_kernel, self._spin = flush, spin
-        except Exception:  # noqa: BLE001 - HIP or pre-sm_80: a plain fill, no spin
-            pass
+        kernels = _timer_kernels()
+        self._flush_kernel, self._spin = kernels if kernels is not None else (None, None)
+        self._flush_blocks = 4 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+    def fill(self, i: int) -> None:
+        """The plain fill of the buffer (the flush where the flush kernel cannot be built; it
+        leaves lines loaded with evict_last in L2)."""
+        self._flush.fill(i & 0xFF)
 
     def flush(self, i: int) -> None:
         """Evict L2 (the buffer's content differs from run to run)."""
-        cp = self._cupy
         if self._flush_kernel is None:
-            self._flush.fill(i & 0xFF)
+            self.fill(i)
         else:
-            self._flush_kernel((528,), (1024,), (self._flush, cp.uint64(self._flush.nbytes // 4), cp.uint32(i)))
+            cp = self._cupy
+            self._flush_kernel((self._flush_blocks,), (1024,),
+                               (self._flush, cp.uint64(self._flush.nbytes // 4), cp.uint32(i)))
 
-    def time(self, fn: Callable[[], object], runs: int | None = None) -> Timing:
+    def time(self, fn: Callable[[], object], runs: int | None = None,
+             flush: Callable[[int], None] | None = None) -> Timing:
+        """GPU time of fn: `flush` (default `self.flush`) and the spin before each run."""
         cp = self._cupy
+        flush = flush or self.flush
         host = float("inf")
         for _ in range(self.warmup):
             t0 = time.perf_counter()
@@ -107,7 +127,7 @@ class Timer:
         n = runs or self.runs
         events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(n)]
         for i, (a, b) in enumerate(events):
-            self.flush(i)
+            flush(i)
             if self._spin is not None:
                 self._spin((1,), (1,), (spin,))
             a.record()

@@ -7,7 +7,6 @@ input partly stays in L2 and everything reading it looks faster. Needs a GPU and
     python tools/l2-flush-check.py 24,33,25   # indices into bench/heldout.yaml"""
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -15,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
 def main() -> None:
-    import cupy as cp
     import torch
 
     import heldout as H
@@ -23,23 +21,11 @@ def main() -> None:
     from ckgen.target import device_info
 
     timer = Timer(device_info(None).l2_bytes, warmup=3, runs=20)
-    spin = timer._spin
 
-    def timed(fn, flush, runs: int = 20) -> float:
-        for _ in range(3):
-            fn()
-        ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(runs)]
-        for i, (a, b) in enumerate(ev):
-            flush(i)
-            spin((1,), (1,), (cp.uint64(300_000),))  # 300 us: the host runs ahead
-            a.record()
-            fn()
-            b.record()
-        ev[-1][1].synchronize()
-        return statistics.median(cp.cuda.get_elapsed_time(a, b) * 1e3 for a, b in ev)
+    def timed(fn, flush) -> float:
+        return timer.time(fn, flush=flush).median_us
 
-    def plain(i: int) -> None:
-        timer._flush.fill(i & 0xFF)
+    plain = timer.fill
 
     cases = H.load_cases()
     for i in (int(v) for v in sys.argv[1].split(",")):

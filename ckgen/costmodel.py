@@ -988,6 +988,41 @@ def recmod_by_problem(records: Iterable[dict[str, Any]]):
     return by_problem(records)
 
 
+SPLIT_KNOBS = ("global_split", "split")  # blocks per slice, beyond a cluster's (GroupNorm)
+
+
+def _blocks(op: OpSpec, p: Problem, c: Config, target: Target) -> int:
+    l = _main_launch(op, p, c, op.launches(p, c, target))
+    return int(np.prod(l.grid))
+
+
+def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) -> Config | None:
+    """A winner `c` of problem q carried to problem p with its split knob (`SPLIT_KNOBS`) set so
+    that p's grid has about as many blocks as q's had: a winner tuned at batch 16 with 8 blocks
+    per slice runs 128 blocks there, and at batch 1 the same config would leave most SMs idle
+    (GroupNorm forward rows, 1x4x1024x1024: 64 blocks 19-25 us, 128 blocks 17.5-18 us on the
+    H100). None when the op has no split knob, c has no split (1: one block per slice is the
+    config's design), or the matched value is c's own or invalid for p."""
+    knob = next((k for k in SPLIT_KNOBS if k in op.space.params), None)
+    if knob is None or c.as_dict().get(knob, 1) <= 1:
+        return None
+    try:
+        want = _blocks(op, q, c, target)
+        best, best_d = None, None
+        for v in op.space.params[knob]:
+            if v <= 1:
+                continue
+            cv = c.replace(**{knob: v})
+            if not op.space.check(cv) or not op.validate(p, cv, target):
+                continue
+            d = abs(math.log(_blocks(op, p, cv, target) / want))
+            if best_d is None or d < best_d - 1e-9:
+                best, best_d = cv, d
+    except (ValueError, KeyError, ZeroDivisionError):
+        return None
+    return best if best is not None and best != c else None
+
+
 def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
                   usable: Callable[[Config], bool], accept: Callable[[Config], bool] | None = None,
                   ) -> tuple[Config, Prediction, int, str | None] | None:
@@ -1009,6 +1044,9 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
         c = Config.of(e.config_dict())
         if set(c.as_dict()) == set(params) and op.space.check(c):
             extra.append(c)
+            g = grid_matched(op, op.problem_from_key(e.problem), p, c, target)
+            if g is not None:
+                extra.append(g)
             if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
     got = model.choose(op, p, target, lambda c: bool(usable(c)), extra, accept)

@@ -278,6 +278,43 @@ def test_db_winners_are_candidates(model_on):
     assert costmodel.candidates(GN, p, SM90, [odd, *model_on.winner_configs(GN)], usable) == cands[:near]
 
 
+def test_split_winners_are_carried_with_their_grid(model_on, monkeypatch):
+    """A winner with a split knob, tuned at batch 8 (16 blocks per sample: 128 blocks), is also a
+    candidate at batch 1 with 128 blocks per sample, so the GPU is as full as where it won."""
+    q = GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc")
+    p = GN.parse_problem(N=1, C=8, H=512, W=512, G=2, dtype="bf16", layout="nhwc")
+    w = GN.space.default.replace(threads=1024, vec_bytes=8, items=4, slice_in="rows", merge="global",
+                                 global_split=16, min_blocks=1)
+    assert GN.validate(q, w, SM90) and GN.validate(p, w, SM90)
+    g = costmodel.grid_matched(GN, q, p, w, SM90)
+    assert g == w.replace(global_split=128)
+    assert [l.grid[0] for l in GN.launches(p, g, SM90)] == [q.N * 16] * 2
+    assert costmodel.grid_matched(GN, q, q, w, SM90) is None  # the same grid already
+    assert costmodel.grid_matched(GN, q, p, w.replace(global_split=1, merge="cluster", slice_in="reload"), SM90) is None
+    pool = get_op("maxpool2d_fwd")
+    pp = pool.parse_problem(N=1, C=64, H=56, W=56, dtype="bf16", layout="nhwc", kernel=3, stride=2, padding=1)
+    assert costmodel.grid_matched(pool, pp, pp, pool.space.default, SM90) is None  # no split knob
+    # the backward's split: multi_stage at batch 16, 8 blocks per (n, group tile), carried to batch 2
+    bwd = get_op("groupnorm_bwd")
+    bq = bwd.parse_problem(N=16, C=512, H=64, W=64, G=32, dtype="bf16", layout="nchw")
+    bp = bwd.parse_problem(N=2, C=512, H=64, W=64, G=32, dtype="bf16", layout="nchw")
+    bw = bwd.space.default.replace(scheme="multi_stage", split=8)
+    bg = costmodel.grid_matched(bwd, bq, bp, bw, SM90)
+    assert bg == bw.replace(split=64)  # 8x the blocks per slice; 64 is the space's largest
+    # and dispatch_pick hands both to the model as candidates
+    seen = []
+    real = costmodel.CostModel.choose
+
+    def spy(self, op, prob, target, usable, extra_winners=(), accept=None):
+        extra_winners = list(extra_winners)
+        seen.append(extra_winners)
+        return real(self, op, prob, target, usable, extra_winners, accept)
+
+    monkeypatch.setattr(costmodel.CostModel, "choose", spy)
+    costmodel.dispatch_pick(GN, p, SM90, [_entry(q, w)], lambda c: bool(GN.validate(p, c, SM90)))
+    assert seen and seen[0][:2] == [w, g]
+
+
 def test_a_tuned_siblings_winner_stays_unless_the_model_is_sure(model_on, monkeypatch):
     """The same shape tuned in another dtype: its winner is kept unless the model's own pick is
     predicted NEAREST_MARGIN faster; a farther tuned problem's winner is only a candidate."""

@@ -163,26 +163,40 @@ ckgen_groupnorm_fwd_bf16_nhwc_t1024_v8_i4_g1_c1_rows_m1_gs4_stats(const ck_store
       xp += (long long)ITEMS * RC;
     }
   }
-  // Sum each channel over the block's R rows (one pass over shared memory per sum, rows in
-  // order: deterministic), then each group over its channels (one warp per group).
-  __shared__ float red[BLOCK * VEC];  // [row][channel]
+  // Sum each channel over the block's R rows, then each group over its channels (one warp per
+  // group). Where COLS divides the warp (C <= 32 * VEC, a power of two), a warp's 32 / COLS rows
+  // hold the same channels: a fixed xor tree of shuffles first folds them into the warp's
+  // first row, so shared memory sees NWARPS rows instead of R (C = 4 with 4-wide vectors: 32
+  // instead of 1024 rows for the few threads that own a channel). Then one pass over shared
+  // memory per sum, rows in order. Every order is fixed: deterministic.
+  const int lane = tid % CK_WARP;
+  const bool wfold = CK_WARP % COLS == 0;  // block-uniform
+  const int RR = wfold ? NWARPS : R;       // rows left for shared memory
+  const int rr = wfold ? (lane < COLS ? tid / CK_WARP : -1) : (row < R ? row : -1);
+  if (wfold) {
+    for (int m = CK_WARP / 2; m >= COLS; m >>= 1) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) { a1[i] += ck_shfl_xor(a1[i], m); a2[i] += ck_shfl_xor(a2[i], m); }
+    }
+  }
+  __shared__ float red[BLOCK * VEC];  // [row][channel]; RR * C <= BLOCK * VEC
   __shared__ float chan1[2048], chan2[2048];  // C <= 2048 (validate)
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    if (row < R) {
+    if (rr >= 0) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) red[row * C + c0 + i] = s == 0 ? a1[i] : a2[i];
+      for (int i = 0; i < VEC; ++i) red[rr * C + c0 + i] = s == 0 ? a1[i] : a2[i];
     }
     __syncthreads();
     for (int c = tid; c < C; c += BLOCK) {
       float t = 0.f;
-      for (int r = 0; r < R; ++r) t += red[r * C + c];
+      for (int r = 0; r < RR; ++r) t += red[r * C + c];
       (s == 0 ? chan1 : chan2)[c] = t;
     }
     __syncthreads();
   }
   {
-    const int warp = tid / CK_WARP, lane = tid % CK_WARP;
+    const int warp = tid / CK_WARP;
     for (int gi = warp; gi < G; gi += NWARPS) {
       float s1 = 0.f, s2 = 0.f;
       for (int c = lane; c < Cg; c += CK_WARP) { s1 += chan1[gi * Cg + c]; s2 += chan2[gi * Cg + c]; }

@@ -832,14 +832,17 @@ def load() -> CostModel | None:
 
 
 def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Callable[[Config], bool],
-                model: CostModel | None = None) -> list[Config]:
+                model: CostModel | None = None, extra_winners: Iterable[Config] = ()) -> list[Config]:
     """The model's `count` best candidates that `allowed` accepts (the tuner's first seeds);
     none without a model. `model`: this one instead of the one in use (`load()`), e.g. one fit
-    without the tuned problem's records for a replay."""
+    without the tuned problem's records for a replay. `extra_winners` join the model file's
+    winners at the head of the candidate walk (`tune.model_picks`: the recorded winners carried
+    with their grid, `carried_winners`)."""
     model = model if model is not None else load()
     if model is None or count <= 0:
         return []
-    cands, near = candidate_tiers(op, p, target, model.winner_configs(op), lambda c: bool(allowed(c)))
+    cands, near = candidate_tiers(op, p, target, [*extra_winners, *model.winner_configs(op)],
+                                  lambda c: bool(allowed(c)))
     return [c for _, c in model.select(op, p, cands, near, target)[:count]]
 
 
@@ -966,15 +969,10 @@ def nearest_recorded_winners(records: Iterable[dict[str, Any]], op: OpSpec, p: P
     """The `count` distinct winners (fastest recorded config of each problem) of the nearest
     recorded problems of this op and arch (op.distance) that `usable` accepts, nearest first, each
     with its problem's key; a winner shared by several problems counts once, with the nearest."""
-    wins: dict[str, tuple[float, Config]] = {}
-    for r in records:
-        if r["op"] == op.name and r["arch"] == arch and r.get("ok"):
-            t = float(r["time_us"])
-            if r["problem"] not in wins or t < wins[r["problem"]][0]:
-                wins[r["problem"]] = (t, Config.of(r["config"]))
+    wins = {k: c for c, k in recorded_winners(records, op, arch)}
     out: list[tuple[Config, str]] = []
     for k in sorted(wins, key=lambda k: op.distance(p, op.problem_from_key(k))):
-        c = wins[k][1]
+        c = wins[k]
         if len(out) >= count:
             break
         if all(c != o for o, _ in out) and usable(c):
@@ -1023,6 +1021,31 @@ def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) 
     return best if best is not None and best != c else None
 
 
+def carried_winners(op: OpSpec, p: Problem, target: Target, winners: Iterable[tuple[Config, str]],
+                    ) -> list[Config]:
+    """The `grid_matched` carries to p of (config, its problem's key) winners that have one, in
+    their order, distinct: the candidates a winner of another batch size or shape adds beside
+    itself (`dispatch_pick` from the DB entries, `tune.model_picks` from the records)."""
+    out: list[Config] = []
+    for c, key in winners:
+        g = grid_matched(op, op.problem_from_key(key), p, c, target)
+        if g is not None and g not in out:
+            out.append(g)
+    return out
+
+
+def recorded_winners(records: Iterable[dict[str, Any]], op: OpSpec, arch: str) -> list[tuple[Config, str]]:
+    """The winner (fastest recorded config) of every recorded problem of this op and arch, with
+    its problem's key, in the order of the problems' first records."""
+    wins: dict[str, tuple[float, Config]] = {}
+    for r in records:
+        if r["op"] == op.name and r["arch"] == arch and r.get("ok"):
+            t = float(r["time_us"])
+            if r["problem"] not in wins or t < wins[r["problem"]][0]:
+                wins[r["problem"]] = (t, Config.of(r["config"]))
+    return [(c, k) for k, (_, c) in wins.items()]
+
+
 def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
                   usable: Callable[[Config], bool], accept: Callable[[Config], bool] | None = None,
                   ) -> tuple[Config, Prediction, int, str | None] | None:
@@ -1044,9 +1067,7 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
         c = Config.of(e.config_dict())
         if set(c.as_dict()) == set(params) and op.space.check(c):
             extra.append(c)
-            g = grid_matched(op, op.problem_from_key(e.problem), p, c, target)
-            if g is not None:
-                extra.append(g)
+            extra += carried_winners(op, p, target, [(c, e.problem)])
             if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
     got = model.choose(op, p, target, lambda c: bool(usable(c)), extra, accept)

@@ -492,13 +492,19 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
     from . import costmodel
 
     ok = allowed or (lambda c: bool(op.validate(problem, c, target)))
-    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2), ok, model=model)
+    if records is None:
+        from . import records as recmod
+
+        records = recmod.all_records()
+    # the recorded winners carried with their grid join the model's candidates, as the
+    # dispatcher's DB winners do (`costmodel.dispatch_pick`): a winner of batch 16 keeps its
+    # blocks per SM at batch 1 (without them, a 40-trial tune of the held-out 1x4x1024x1024
+    # GroupNorm forward found 27 us where the dispatcher's carried pick ran 19 us)
+    carried = costmodel.carried_winners(op, problem, target, costmodel.recorded_winners(records, op, target.arch))
+    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2), ok, model=model,
+                                  extra_winners=carried)
     neighbours = min(neighbours, _n_seeds(trials) - len(picks))  # `search` seeds no more
     if neighbours > 0:
-        if records is None:
-            from . import records as recmod
-
-            records = recmod.all_records()
         fresh = lambda c: c not in picks and bool(ok(c))  # noqa: E731
         near = costmodel.nearest_recorded_winners(records, op, problem, target.arch, fresh, neighbours)
         picks += [c for c, _ in near]

@@ -315,6 +315,41 @@ def test_split_winners_are_carried_with_their_grid(model_on, monkeypatch):
     assert seen and seen[0][:2] == [w, g]
 
 
+def test_the_tuners_seeds_carry_recorded_winners_with_their_grid(model_on, monkeypatch):
+    """`tune.model_picks` hands the model the recorded winners carried with their grid, as the
+    dispatcher does with the DB's: a rows winner of batch 8 (16 blocks per sample) reaches the
+    batch-1 search at 128 blocks per sample, and the carry is ranked like any candidate."""
+    from ckgen import records as recmod
+    from ckgen import tune
+
+    q = GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc")
+    p = GN.parse_problem(N=1, C=8, H=512, W=512, G=2, dtype="bf16", layout="nhwc")
+    w = GN.space.default.replace(threads=1024, vec_bytes=8, items=4, slice_in="rows", merge="global",
+                                 global_split=16, min_blocks=1)
+    slow = GN.space.default.replace(threads=256, vec_bytes=4, items=4, slice_in="reload", merge="global",
+                                    global_split=4, min_blocks=1)
+    assert GN.validate(q, slow, SM90)
+    recs = [recmod.make_record(GN, q, SM90, "test", c, ok=True, time_us=t) for c, t in ((w, 10.0), (slow, 12.0))]
+    assert costmodel.recorded_winners(recs, GN, "sm_90") == [(w, q.key())]
+    assert costmodel.recorded_winners(recs, GN, "sm_80") == []
+    g = w.replace(global_split=128)
+    assert costmodel.carried_winners(GN, p, SM90, costmodel.recorded_winners(recs, GN, "sm_90")) == [g]
+    seen = []
+    real = costmodel.top_configs
+
+    def spy(op, prob, target, count, allowed, model=None, extra_winners=()):
+        seen.append(list(extra_winners))
+        return real(op, prob, target, count, allowed, model=model, extra_winners=extra_winners)
+
+    monkeypatch.setattr(costmodel, "top_configs", spy)
+    picks = tune.model_picks(GN, p, SM90, 40, records=recs)
+    assert seen == [[g]]
+    assert w in picks  # the neighbour's own winner, as before
+    # and the model ranks the carry among its candidates: picked first when predicted fastest
+    best = min(model_on.rank(GN, p, [g, *picks], SM90), key=lambda x: x[0].total_us)[1]
+    assert best != g or picks[0] == g
+
+
 def test_a_tuned_siblings_winner_stays_unless_the_model_is_sure(model_on, monkeypatch):
     """The same shape tuned in another dtype: its winner is kept unless the model's own pick is
     predicted NEAREST_MARGIN faster; a farther tuned problem's winner is only a candidate."""

@@ -314,11 +314,13 @@ def _tune(op: Any, problem: Any, target: Any, site: Site, want: Budget, key: tup
 
 def tune_with(op: Any, problem: Any, target: Any, ev: Any, *, trials: int, max_seconds: float | None,
               num_sms: int = 132, device: str = "", storage: Any = None, record: Callable[..., None] | None = None,
-              seed: int = 0, started: float | None = None, provenance: dict[str, Any] | None = None) -> Any:
+              seed: int = 0, started: float | None = None, provenance: dict[str, Any] | None = None,
+              incumbent: Any = None) -> Any:
     """Tune `problem` with evaluator `ev` (`tune.search`'s contract: a GPU objective, or a
-    `replay.ReplayEvaluator`) and return the winner's DB entry: `tune.search` (the default
-    config, then the cost model's picks) for `trials` configs within `max_seconds` of `started`
-    (default: now), then `tune.final_round` (the study's best and the default, re-timed)."""
+    `replay.ReplayEvaluator`) and return the winner's DB entry: `tune.search` (`incumbent`, the
+    config the call ran untuned, if given; the default config, then the cost model's picks) for
+    `trials` configs within `max_seconds` of `started` (default: now), then `tune.final_round`
+    (the study's best, the default and the incumbent, re-timed)."""
     import optuna
 
     from . import __version__, costmodel
@@ -330,15 +332,16 @@ def tune_with(op: Any, problem: Any, target: Any, ev: Any, *, trials: int, max_s
     t0 = time.monotonic() if started is None else started
     timeout = None if max_seconds is None else max(0.0, max_seconds - (time.monotonic() - t0))
     picks = model_picks(op, problem, target, trials)
+    valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
+    inc = (incumbent,) if incumbent is not None and incumbent in valid else ()
     study, default_cfg = search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout, storage=storage,
                                 seed=seed, device=device, model_seeds=tuple(picks), record=record,
-                                model=costmodel.load())
+                                model=costmodel.load(), warm=inc)
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         why = (f"every measured config failed (first: {ev.failures[0][1][:200]})" if ev.failures else
                f"the time budget ({max_seconds:g} s) ran out before the first config was measured")
         raise RuntimeError(f"no config measured: {why}")
-    valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
-    ranked = final_round(ev, study, default_cfg, valid)
+    ranked = final_round(ev, study, default_cfg, valid, also=inc)
     if record:
         for m in ranked:
             record(m.config, m.timing.median_us, phase="final")
@@ -373,12 +376,15 @@ def tune_on_device(op: Any, problem: Any, *, device: int, trials: int, max_secon
         from .records import Recorder
         from .verify import Harness
 
+        from .tune import dispatcher_pick
+
         ev = _objective()(op, problem, info.target, Harness(op, problem, seed=None), Timer(info.l2_bytes))
         prov = {"cupy": cupy.__version__, "cuda_runtime": int(rt.runtimeGetVersion()),
                 "cuda_driver": int(rt.driverGetVersion())}
         return tune_with(op, problem, info.target, ev, trials=trials, max_seconds=max_seconds, num_sms=info.num_sms,
                          device=info.name, storage=settings.study_storage_url(),
-                         record=Recorder(op, problem, info.target, info.name), started=t0, provenance=prov)
+                         record=Recorder(op, problem, info.target, info.name), started=t0, provenance=prov,
+                         incumbent=dispatcher_pick(op, problem, info.target))
     finally:
         ev = None
         cupy.get_default_memory_pool().free_all_blocks()

@@ -675,9 +675,11 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
     return study, default_cfg
 
 
-def finalists(study: Any, default_cfg: Config, valid: set[Config], count: int = FINALISTS) -> list[Config]:
+def finalists(study: Any, default_cfg: Config, valid: set[Config], count: int = FINALISTS,
+              also: tuple[Config, ...] = ()) -> list[Config]:
     """The `count` best distinct configs the study measured (earlier sessions included), then the
-    default: the final round's candidates."""
+    default, then the valid configs of `also` (the dispatcher's pick: `tune_problem`): the final
+    round's candidates."""
     import optuna
 
     best: dict[Config, float] = {}
@@ -686,27 +688,53 @@ def finalists(study: Any, default_cfg: Config, valid: set[Config], count: int = 
         if cfg in valid and t.value is not None and math.isfinite(t.value):
             best[cfg] = min(t.value, best.get(cfg, math.inf))
     top = sorted(best, key=best.__getitem__)[:count]
-    return top + ([default_cfg] if default_cfg not in top else [])
+    out = top + ([default_cfg] if default_cfg not in top else [])
+    return out + [c for c in dict.fromkeys(also) if c in valid and c not in out]
 
 
 def final_round(ev: Any, study: Any, default_cfg: Config, valid: set[Config], rounds: int = ROUNDS,
-                count: int = FINALISTS) -> list[Measured]:
-    """The winner is not one lucky timing: the study's best `count` configs and the default are
-    re-timed fresh in this run (`ev.retime`: interleaved rounds), best median first. Failures
-    go to `ev.failures`."""
-    final, failed = ev.retime(finalists(study, default_cfg, valid, count), rounds)
+                count: int = FINALISTS, also: tuple[Config, ...] = ()) -> list[Measured]:
+    """The winner is not one lucky timing: the study's best `count` configs, the default and
+    `also` are re-timed fresh in this run (`ev.retime`: interleaved rounds), best median first.
+    Failures go to `ev.failures`."""
+    final, failed = ev.retime(finalists(study, default_cfg, valid, count, also), rounds)
     for cfg, why in failed.items():
         ev.failures.append((cfg.key(), why))
     return sorted(final.values(), key=lambda m: m.timing.median_us)
+
+
+_PICKER: Any = None  # the Dispatcher `dispatcher_pick` asks: the DB and model as this process first saw them
+
+
+def dispatcher_pick(op: OpSpec, problem: Problem, target: Target) -> Config | None:
+    """The config the dispatcher runs for `problem` (the tuned entry of the DB in use, else its
+    untuned pick; asked of a dispatcher of this module, whose DB view is the one of its first
+    call, without the untuned-choice message), or None when it cannot say (the reason is logged).
+    `tune_problem` measures it first and re-times it in the final round, so a tune never ends on a
+    config slower, in that run, than what the call ran before."""
+    global _PICKER
+    from .dispatch import Dispatcher
+
+    try:
+        if _PICKER is None:
+            _PICKER = Dispatcher()
+        return _PICKER._select(op, problem, target, 16)[0].config
+    except Exception as e:  # noqa: BLE001 - optional: tuning goes on without it
+        import logging
+
+        logging.getLogger("ckgen.tune").warning("%s %s: no dispatcher pick to measure (%s: %s)",
+                                                op.name, problem.key(), e.__class__.__name__, e)
+        return None
 
 
 def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
                  timeout: float | None = None, storage: str | None = None, seed: int = 0,
                  sampler: str | None = None, ahead: int = AHEAD, warm: tuple[Config, ...] = (),
                  rounds: int = ROUNDS, on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
-    """Tune one problem on the current GPU and pick the winner: `search`, then the best
-    FINALISTS of the study and the default re-timed fresh, interleaved over `rounds` rounds; the
-    lowest median wins. `on_trial(done, total, best_us)` reports progress."""
+    """Tune one problem on the current GPU and pick the winner: `search` (the dispatcher's pick
+    for the problem measured first, after `warm`: `dispatcher_pick`), then the best FINALISTS of
+    the study, the default and the dispatcher's pick re-timed fresh, interleaved over `rounds`
+    rounds; the lowest median wins. `on_trial(done, total, best_us)` reports progress."""
     t0 = time.monotonic()
     target = info.target
     timer = Timer(info.l2_bytes)
@@ -718,12 +746,14 @@ def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int 
     from . import costmodel
 
     picks = model_picks(op, problem, target, trials)
+    valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
+    pick = dispatcher_pick(op, problem, target)
+    incumbent = (pick,) if pick is not None and pick in valid else ()
     study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
                                 storage=storage, seed=seed, sampler=sampler, ahead=ahead, on_trial=on_trial,
-                                warm=warm, device=info.name, model_seeds=tuple(picks), record=record,
-                                model=costmodel.load())
-    valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
-    ranked = final_round(obj, study, default_cfg, valid, rounds)
+                                warm=tuple(dict.fromkeys(warm + incumbent)), device=info.name,
+                                model_seeds=tuple(picks), record=record, model=costmodel.load())
+    ranked = final_round(obj, study, default_cfg, valid, rounds, also=incumbent)
     for m in ranked:
         record(m.config, m.timing.median_us, phase="final")
     if not ranked:

@@ -402,6 +402,27 @@ def test_replayed_search_writes_its_winner_and_the_call_uses_it(d, monkeypatch) 
     assert e.time_us == pytest.approx(_synthetic(choice.config)) and e.time_us <= e.default_time_us
 
 
+def test_the_incumbent_is_measured_first_and_a_tune_never_ends_slower_than_it() -> None:
+    """`tune_with(incumbent=...)` (what the call ran untuned: `tune.dispatcher_pick`) measures it
+    before the default and re-times it in the final round: a config no 4-trial search finds, made
+    the fastest, is the winner; an invalid incumbent is ignored."""
+    from ckgen.replay import ReplayEvaluator
+
+    p = problem(N=8, layout="nhwc")
+    valid = sorted((c for c in OP.space.enumerate() if OP.validate(p, c, SM90)), key=Config.key)
+    plain = online.tune_with(OP, p, SM90, ReplayEvaluator(_synthetic), trials=4, max_seconds=None)
+    found = Config.of(plain.config_dict())
+    inc = next(c for c in reversed(valid) if c != found and c != DEFAULT)
+    fast = lambda c: 1.0 if c == inc else _synthetic(c)  # noqa: E731
+    ev = ReplayEvaluator(fast)
+    e = online.tune_with(OP, p, SM90, ev, trials=4, max_seconds=None, incumbent=inc)
+    assert ev.calls[0] == inc and Config.of(e.config_dict()) == inc and e.time_us == pytest.approx(1.0)
+    bad = DEFAULT.replace(threads=-1)
+    ev2 = ReplayEvaluator(_synthetic)
+    e2 = online.tune_with(OP, p, SM90, ev2, trials=4, max_seconds=None, incumbent=bad)
+    assert bad not in ev2.calls and Config.of(e2.config_dict()) == found
+
+
 def test_a_time_budget_spent_before_any_measurement_is_a_failure(monkeypatch) -> None:
     from ckgen.replay import ReplayEvaluator
 

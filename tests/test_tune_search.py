@@ -230,6 +230,18 @@ def test_finalists_are_the_best_distinct_configs_then_the_default():
     assert fin[-1] == default_cfg and len(fin) == len(set(fin))
 
 
+def test_the_final_round_also_retimes_the_dispatchers_pick():
+    """`finalists(also=...)`: the dispatcher's pick (`tune.dispatcher_pick`) joins the final round
+    after the study's best and the default, once, and only if valid."""
+    ev = Replay(synthetic)
+    study, default_cfg = run(ev, trials=20)
+    fin = finalists(study, default_cfg, VALID, count=3)
+    slow = max((c for c in VALID if c not in fin), key=synthetic)
+    assert finalists(study, default_cfg, VALID, count=3, also=(slow, default_cfg, slow)) == fin + [slow]
+    outside = next(c for c in OP.space.enumerate() if c not in VALID)
+    assert finalists(study, default_cfg, VALID, count=3, also=(outside,)) == fin
+
+
 class FakeHarness:
     def runner(self, src, config, target):
         return config  # the "run" stands for its config

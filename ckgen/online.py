@@ -374,9 +374,8 @@ def tune_on_device(op: Any, problem: Any, *, device: int, trials: int, max_secon
     try:
         from .bench import Timer
         from .records import Recorder
-        from .verify import Harness
-
         from .tune import dispatcher_pick
+        from .verify import Harness
 
         ev = _objective()(op, problem, info.target, Harness(op, problem, seed=None), Timer(info.l2_bytes))
         prov = {"cupy": cupy.__version__, "cuda_runtime": int(rt.runtimeGetVersion()),

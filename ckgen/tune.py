@@ -703,22 +703,17 @@ def final_round(ev: Any, study: Any, default_cfg: Config, valid: set[Config], ro
     return sorted(final.values(), key=lambda m: m.timing.median_us)
 
 
-_PICKER: Any = None  # the Dispatcher `dispatcher_pick` asks: the DB and model as this process first saw them
-
-
 def dispatcher_pick(op: OpSpec, problem: Problem, target: Target) -> Config | None:
-    """The config the dispatcher runs for `problem` (the tuned entry of the DB in use, else its
-    untuned pick; asked of a dispatcher of this module, whose DB view is the one of its first
-    call, without the untuned-choice message), or None when it cannot say (the reason is logged).
-    `tune_problem` measures it first and re-times it in the final round, so a tune never ends on a
-    config slower, in that run, than what the call ran before."""
-    global _PICKER
-    from .dispatch import Dispatcher
+    """The config the process's dispatcher (`dispatch.dispatcher()`, its DB view reloaded when a
+    DB changes) runs for `problem`: the tuned entry of the DB in use, else its untuned pick
+    (`Dispatcher._select`: no cached choice, no untuned-choice message, no online tuning); None
+    when it cannot say (the reason is logged). `tune_problem` and online tuning measure it first
+    and re-time it in the final round, so a tune never ends on a config slower, in that run, than
+    what the call ran before."""
+    from .dispatch import dispatcher
 
     try:
-        if _PICKER is None:
-            _PICKER = Dispatcher()
-        return _PICKER._select(op, problem, target, 16)[0].config
+        return dispatcher()._select(op, problem, target, 16)[0].config
     except Exception as e:  # noqa: BLE001 - optional: tuning goes on without it
         import logging
 

@@ -245,7 +245,7 @@ class Plan:
         steps = [(k.ptr, *l.grid, *l.block, l.shared_mem) for k, l in zip(self._kernels, launches)]
         self.launches = len(steps)
         self.run, self._keep = _launcher(self, op, problem, like, inputs, outputs, steps,
-                                         op.workspace_bytes(problem, config))
+                                         op.workspace_bytes(problem, config), op.workspace_zeroed(problem, config))
 
     def __repr__(self) -> str:
         return f"Plan({self.choice.instance}, device {self.device})"
@@ -270,10 +270,13 @@ def _arg_buffer(op: OpSpec, problem: Problem) -> tuple[Any, Any, int]:
 
 
 def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str],
-              outputs: Sequence[Output], steps: list[tuple], ws_bytes: int) -> tuple[Callable[..., tuple], list]:
+              outputs: Sequence[Output], steps: list[tuple], ws_bytes: int,
+              ws_zeroed: tuple[int, int] = (0, 0)) -> tuple[Callable[..., tuple], list]:
     """Generate the plan's run(ins, eps=0.0, like=None): allocate the outputs, fill the pointer
     slots, launch every step on the current stream, return the outputs. Straight-line code:
-    no per-call loops, dicts or lookups beyond the stream's workspace."""
+    no per-call loops, dicts or lookups beyond the stream's workspace. `ws_zeroed` (offset,
+    bytes): the workspace's part that must be zero before a call and that the kernels leave
+    zero (op.workspace_zeroed): a kept workspace is zeroed once, a fresh one in each call."""
     from .tensors import _strides, bfloat16, current_stream_fn, workspace_allocator
 
     buf, kargs, eps_at = _arg_buffer(op, problem)
@@ -322,16 +325,20 @@ def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Seque
         ns["WS"] = workspace_allocator(like, ws_bytes)
         ns["KEPT"] = {}
         ns["graph_keep"] = _graph_keep
+        z0, nz = ws_zeroed
+        ns["memset"], ns["Z0"], ns["NZ"] = _rt.memsetAsync, z0, nz
+        zero = ["        memset(ws[1] + Z0, 0, NZ, stream)"] if nz else []  # a fresh workspace's counters
         body += ["    if rt.streamIsCapturing(stream):",
                  "        ws = WS()  # the graph's own: from the capture's pool (torch), kept alive (CuPy)"]
         if like.kind != "torch":
             body.append("        graph_keep.append(ws[0])")
+        body += zero
         if ws_bytes <= _KEEP_WS_BYTES:  # kept per stream: calls on one stream run in order
             ns["WS_KEEP"] = lambda: _keep_alloc(ws_bytes)
             body += ["    else:", "        ws = KEPT.get(stream)", "        if ws is None:",
-                     "            ws = KEPT[stream] = WS_KEEP()"]
+                     "            ws = KEPT[stream] = WS_KEEP()"] + ["    " + z for z in zero]  # zeroed once
         else:  # large: from the allocator per call, freed (stream-ordered) when the call returns
-            body += ["    else:", "        ws = WS()"]
+            body += ["    else:", "        ws = WS()"] + zero
         ptr_of["ws"] = "ws[1]"
     ptrs = ", ".join(ptr_of.get(n, "0") for n in op.arg_names)
     body += ["    with LOCK:", f"        pack(buf, 0, {ptrs})"]

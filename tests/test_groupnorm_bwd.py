@@ -163,7 +163,7 @@ def test_pipelined_is_multi_stage_in_two_kernels():
 
 
 @pytest.mark.parametrize("name,kernels", [
-    ("groupnorm_bwd", {"fused": ["", "_dgb"], "single_pass": ["", "_dgb"], "multi_stage": ["_stats", "", "_dgb"]}),
+    ("groupnorm_bwd", {"fused": [""], "single_pass": [""], "multi_stage": ["_stats", "", "_dgb"]}),
     ("groupnorm_bwd_data", {"fused": [""], "single_pass": [""], "multi_stage": ["_stats", ""]}),
 ])
 def test_launches_and_workspace(name, kernels):
@@ -179,10 +179,38 @@ def test_launches_and_workspace(name, kernels):
         assert all(l.grid[0] == blocks for l in ls if not l.kernel.endswith("_dgb"))
         dgb = p.N * 2 * p.C * 2 if op.want_dgb else 0
         ab = blocks * 2 if scheme == "multi_stage" else 0
-        assert op.workspace_bytes(p, c) == 4 * (dgb + ab)
+        # the one-kernel schemes with dgamma/dbeta: one ticket counter per channel tile after the
+        # partial rows, zero before the first call (op.workspace_zeroed)
+        tickets = p.G if op.want_dgb and scheme != "multi_stage" else 0
+        assert op.workspace_bytes(p, c) == 4 * (dgb + ab + tickets)
+        assert op.workspace_zeroed(p, c) == ((4 * dgb, 4 * tickets) if tickets else (0, 0))
     gb = get_op("groupnorm_bwd_gamma_beta")
     c = gb.space.default
     assert [l.kernel for l in gb.launches(p, c, t)] == [gb.instance_name(p, c) + s for s in ("_stats", "_dgb")]
+
+
+@pytest.mark.parametrize("layout,gpb,split", [("nchw", 1, 1), ("nchw", 1, 4), ("nhwc", 2, 1), ("nhwc", 4, 2)])
+def test_one_kernel_schemes_fold_dgamma_dbeta_in_their_last_block(layout, gpb, split):
+    """single_pass and fused (groupnorm_bwd): no _dgb kernel. Each block takes a ticket on its
+    channel tile's counter after its partial row is stored (fenced); the last of the tile's
+    N*SPLIT blocks folds the tile's channels over every row, in a fixed order, and resets the
+    counter. groupnorm_bwd_data and the staged schemes render as before (no tickets)."""
+    op, t = get_op("groupnorm_bwd"), Target.named("sm_90")
+    p = op.parse_problem(N=3, C=64, H=16, W=16, G=8, dtype="fp16", layout=layout)
+    for scheme in ("single_pass", "fused"):
+        c = next(c for c in op.space.enumerate() if c["scheme"] == scheme and c["split"] == split
+                 and c["groups_per_block"] == gpb and op.validate(p, c, t))
+        src = render_instance(op, p, c, t).code
+        assert "TICKET_OFF" in src and [l.kernel for l in op.launches(p, c, t)] == [op.instance_name(p, c)]
+        assert src.count("atomicAdd(ticket, 1u)") == 1 and "ck_last = t == (unsigned)(N * SPLIT - 1)" in src
+        assert src.index("__threadfence();") < src.index("atomicAdd(ticket") < src.index("atomicExch(ticket, 0u)")
+        assert "__ldcg(reinterpret_cast<const float2*>" in src and "_dgb(CK_ARGS)" in src  # launched past DGB_LAST_MAX
+        assert op.workspace_zeroed(p, c) == (4 * p.N * split * p.C * 2, 4 * (p.G // gpb))
+        assert compile_offline(render_instance(op, p, c, t), t).cubin
+        data = get_op("groupnorm_bwd_data")
+        assert "TICKET_OFF" not in render_instance(data, p, c, t).code and data.workspace_zeroed(p, c) == (0, 0)
+    ms = next(c for c in op.space.enumerate() if c["scheme"] == "multi_stage" and op.validate(p, c, t))
+    assert "TICKET_OFF" not in render_instance(op, p, ms, t).code and op.workspace_zeroed(p, ms) == (0, 0)
 
 
 def test_min_bytes_and_outputs():
@@ -235,3 +263,49 @@ def test_default_config_is_valid_or_has_a_valid_neighbour():
             for arch in ("sm_80", "sm_90", "gfx942", "gfx1100"):
                 t = Target.named(arch)
                 assert op.space.nearest_default(lambda c: bool(op.validate(p, c, t))) is not None, (name, p.key(), arch)
+
+
+def test_retime_entries_replaces_only_stale_timed_entries(tmp_path):
+    """tools/retime-entries.py: an entry whose stored hash no longer matches today's render and
+    that bench/template_ab.py timed gets today's hash, the new time and bandwidth, and says in its
+    provenance that it was re-timed (from what); a verified entry, an entry the JSON did not time
+    (or timed without a result) and one of another device stay as they were."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ckgen import db as dbmod
+
+    op, t = get_op("groupnorm_bwd"), Target.named("sm_90")
+    probs = [op.parse_problem(N=2, C=64, H=8, W=8, G=8, dtype="fp16", layout="nchw"),
+             op.parse_problem(N=2, C=64, H=8, W=8, G=8, dtype="bf16", layout="nchw"),
+             op.parse_problem(N=2, C=64, H=8, W=8, G=8, dtype="fp32", layout="nchw"),
+             op.parse_problem(N=4, C=64, H=8, W=8, G=8, dtype="fp16", layout="nchw")]
+    c = next(c for c in op.space.enumerate() if c["scheme"] == "single_pass" and all(op.validate(q, c, t) for q in probs))
+
+    def entry(p, sha, device="GPU A"):
+        src = render_instance(op, p, c, t)
+        return dbmod.Entry(op=op.name, vendor="cuda", arch="sm_90", device=device, problem=p.key(), config=c.items,
+                           instance=src.name, source_sha256=sha or src.sha256, time_us=20.0, gbps=1.0,
+                           default_time_us=30.0, provenance={"date": "2026-01-01T00:00:00+00:00", "trials": 40})
+
+    stale, fresh, untimed, other = entry(probs[0], "0" * 64), entry(probs[1], None), entry(probs[2], "1" * 64), \
+        entry(probs[3], "2" * 64, device="GPU B")
+    path = tmp_path / "db.yaml"
+    dbmod.write_db(path, [stale, fresh, untimed, other])
+    rows = [{"op": op.name, "problem": e.problem, "config": c.as_dict(), "us": 12.5} for e in (stale, fresh, other)]
+    rows.append({"op": op.name, "problem": untimed.problem, "config": c.as_dict(), "us": None, "error": "wrong result"})
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"device": "GPU A", "arch": "sm_90", "rows": rows}))
+    tool = Path(__file__).resolve().parents[1] / "tools" / "retime-entries.py"
+    r = subprocess.run([sys.executable, str(tool), "--times", str(times), "--db", str(path)], capture_output=True, text=True)
+    assert r.returncode == 1 and "wrong result" in r.stderr and "re-timed 1 entries of 4" in r.stdout
+    got = {e.problem: e for e in dbmod.InstanceDB.load(path).entries}
+    new = got[stale.problem]
+    assert dbmod.entry_verified(new) and new.time_us == 12.5 and new.default_time_us == 30.0
+    assert new.gbps == round(op.min_bytes(probs[0]) / 12.5 / 1e3, 1)
+    prov = new.provenance_dict()
+    assert prov["retimed_from_us"] == 20.0 and prov["trials"] == 40 and prov["date"] == "2026-01-01T00:00:00+00:00"
+    assert prov["retimed"].startswith("20")
+    assert got[fresh.problem] == fresh and got[untimed.problem] == untimed and got[other.problem] == other

@@ -34,6 +34,9 @@ class FakeCuda:
     def getDevice(self) -> int:  # noqa: N802
         return 0
 
+    def memsetAsync(self, ptr: int, value: int, nbytes: int, stream: int) -> None:  # noqa: N802
+        self.launches.append(("memset", ptr, value, nbytes, stream))
+
     def launch(self, f, gx, gy, gz, bx, by, bz, smem, stream, kargs, extra) -> None:
         addrs = [ctypes.c_uint64.from_address(kargs + 8 * i).value for i in range(self.nslots)]
         slots = [ctypes.string_at(a, 8) for a in addrs]
@@ -134,6 +137,46 @@ def test_workspace_is_kept_per_stream_outside_capture_and_fresh_under_it(fake, w
     run((x.data_ptr(), 1024, 0), 0.0, x)
     assert ws_ptr() not in (0, first)  # under capture: the graph's own workspace
     del held
+
+
+@pytest.mark.parametrize("ws_bytes", [4096, 64 << 20])
+def test_a_workspaces_counters_are_zeroed_once_when_kept_and_every_call_when_fresh(fake, ws_bytes):
+    """op.workspace_zeroed (the GroupNorm backward's ticket counters): the launcher zeroes that
+    range on the call's stream before the kernels: once for a workspace kept for the stream (the
+    kernels leave it zero), in every call for a fresh one (per call when large, under capture)."""
+    op = get_op("groupnorm_bwd")
+    x = torch.randn(2, 16, 8, 8, dtype=torch.float16)
+    like, lay = like_of(x)
+    p = op.parse_problem(N=2, C=16, H=8, W=8, G=4, dtype="fp16", layout=lay)
+    cuda = fake(op, p)
+    outs = [Output("dx", like.shape, lay, "fp16"), Output("dgamma", (16,), "flat", "fp16"),
+            Output("dbeta", (16,), "flat", "fp16")]
+    run, _ = dispatch._launcher(plan_stub(), op, p, like, ("x", "dy", "mean", "rstd", "gamma", "beta"), outs,
+                                STEPS[:1], ws_bytes, (ws_bytes - 16, 16))
+    ws_slot = op.arg_names.index("ws")
+    ins = (x.data_ptr(), x.data_ptr(), 4096, 4096, 0, 0)
+
+    def call() -> list:
+        n = len(cuda.launches)
+        run(ins, 0.0, x)
+        return cuda.launches[n:]
+
+    def zeroed(got: list) -> bool:
+        ws = int.from_bytes(got[-1][-1][ws_slot], "little")
+        assert got[-1][0] == STEPS[0][0]  # the kernel comes last
+        return [g for g in got if g[0] == "memset"] == [("memset", ws + ws_bytes - 16, 0, 16, 77)]
+
+    kept = ws_bytes <= dispatch._KEEP_WS_BYTES
+    assert zeroed(call())
+    assert zeroed(call()) != kept  # a kept workspace is zeroed once, a fresh one again
+    cuda.capturing = True
+    assert zeroed(call())  # the graph's own workspace: zeroed in the graph
+    # no zeroed range: no memset
+    run2, _ = dispatch._launcher(plan_stub(), op, p, like, ("x", "dy", "mean", "rstd", "gamma", "beta"), outs,
+                                 STEPS[:1], ws_bytes)
+    n = len(cuda.launches)
+    run2(ins, 0.0, x)
+    assert all(g[0] != "memset" for g in cuda.launches[n:])
 
 
 def test_output_like_x_falls_back_for_tensor_subclasses(fake):

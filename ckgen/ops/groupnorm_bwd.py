@@ -15,6 +15,10 @@ _INT32_MAX = 2**31 - 1
 MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)
 NCHW_STEP_VECTORS = 4096  # NCHW single_pass: per-vector partials in shared memory (2 x 16 KB)
 DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (see the template)
+# single_pass/fused: the last block of a channel tile folds dgamma/dbeta itself when the tile's
+# fold, N*split rows x its channels, is at most this; past it one block's fold costs more than
+# the _dgb kernel's launch (bench/results/logs/gnbwd-dgb-last-*/)
+DGB_LAST_MAX = 512
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -105,6 +109,18 @@ class _GroupNormBwd(GroupNormOp):
         """pipelined folds dgamma/dbeta in its dx kernel: no `_dgb` kernel (or launch) of their own."""
         return self.want_dx and self.want_dgb and self.scheme(config) == "pipelined"
 
+    def dgb_last(self, config: Config) -> bool:
+        """The one-kernel schemes (single_pass, fused) can fold dgamma/dbeta in their only kernel:
+        the last block of each channel tile to finish its sums (a ticket counter in the workspace)
+        folds the tile's partial rows, where that fold is small (`dgb_ticket`)."""
+        return self.want_dx and self.want_dgb and self.scheme(config) in ("single_pass", "fused")
+
+    def dgb_ticket(self, p: GroupNormProblem, config: Config) -> bool:
+        """This call folds dgamma/dbeta in its kernel (no `_dgb` launch): a tile's fold of
+        N*split rows x groups_per_block*C/G channels is at most DGB_LAST_MAX (the kernel
+        makes the same test on its arguments)."""
+        return self.dgb_last(config) and p.N * config["split"] * config["groups_per_block"] * p.Cg <= DGB_LAST_MAX
+
     def seed_configs(self, p: GroupNormProblem, target: Target, num_sms: int, count: int) -> list[Config]:
         """Valid configs a simple model likes: wide vectors, enough blocks to fill the GPU, data read
         once where it fits, and one of each (scheme, split > 1) family first."""
@@ -135,7 +151,7 @@ class _GroupNormBwd(GroupNormOp):
         return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, activation=p.activation,
                     storage=d["storage"], itemsize=d["itemsize"], vec=config["vec_bytes"] // d["itemsize"],
                     want_dx=self.want_dx, want_dgb=self.want_dgb, scheme=self.scheme(config),
-                    dgb_in_dx=self.dgb_in_dx(config))
+                    dgb_in_dx=self.dgb_in_dx(config), dgb_last=self.dgb_last(config), dgb_last_max=DGB_LAST_MAX)
 
     # ---- launches and memory ----
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
@@ -150,7 +166,7 @@ class _GroupNormBwd(GroupNormOp):
             out.append(Launch(f"{name}_stats", grid, block, smem))
         if self.want_dx:
             out.append(Launch(name, grid, block, smem))
-        if self.want_dgb and not self.dgb_in_dx(config):
+        if self.want_dgb and not self.dgb_in_dx(config) and not self.dgb_ticket(p, config):
             out.append(Launch(f"{name}_dgb", (-(-p.C // DGB_CHANNELS), 1, 1), (DGB_CHANNELS * DGB_ROW_LANES, 1, 1)))
         return tuple(out)
 
@@ -161,7 +177,13 @@ class _GroupNormBwd(GroupNormOp):
     def workspace_bytes(self, p: GroupNormProblem, config: Config) -> int:
         # (ds, db) partial rows of the dgamma/dbeta fold first, then the staged schemes' A/B partials
         dgb = p.N * config["split"] * p.C * 2 if self.want_dgb else 0
-        return 4 * (dgb + self._ab_floats(p, config))
+        return 4 * (dgb + self._ab_floats(p, config)) + self.workspace_zeroed(p, config)[1]
+
+    def workspace_zeroed(self, p: GroupNormProblem, config: Config) -> tuple[int, int]:
+        # dgb_last: one ticket counter (uint32) per channel tile, after the partial rows
+        if not self.dgb_last(config):
+            return 0, 0
+        return 4 * p.N * config["split"] * p.C * 2, 4 * (p.G // config["groups_per_block"])
 
     arg_names: ClassVar[tuple[str, ...]] = ("x", "dy", "mean", "rstd", "gamma", "beta", "dx", "dgamma", "dbeta", "ws")
 

@@ -150,6 +150,12 @@ class OpSpec(abc.ABC):
         """Scratch memory the launches need (ptrs['ws']); none by default."""
         return 0
 
+    def workspace_zeroed(self, problem: Any, config: Config) -> tuple[int, int]:
+        """(byte offset, byte count) of the workspace that must hold zeros before the first call
+        (counters the kernels leave at zero again); (0, 0): none. A workspace kept from call to
+        call is zeroed once, when it is allocated; a fresh one every call."""
+        return 0, 0
+
     @abc.abstractmethod
     def min_bytes(self, problem: Any) -> int: ...
 

@@ -60,6 +60,12 @@ constexpr int NWARPS = BLOCK / CK_WARP;
 constexpr int DGB_CH = 16, DGB_RG = 32;      // the dgamma/dbeta kernel: channels x row lanes per block
 // Workspace: N*SPLIT rows of C (ds, db) partials, then per-block A/B partials (multi_stage).
 #define AB_OFF ((long long)N * SPLIT * C * 2)
+// ... and for this one-kernel scheme, after the partial rows: one ticket counter per channel
+// tile (G/GPB of them), zero before the first call; the kernel leaves them zero. The kernel
+// folds dgamma/dbeta itself where a tile's fold (N*SPLIT rows x its channels) is at most
+// DGB_LAST_MAX; past that the host launches the _dgb kernel (many blocks) instead.
+#define TICKET_OFF ((long long)N * SPLIT * C * 2)
+constexpr long long DGB_LAST_MAX = 512;
 
 struct Walk {
   long long base;  // 64-bit: tensors may exceed 2^31 elements
@@ -219,6 +225,19 @@ ckgen_groupnorm_bwd_fp16_nhwc_t512_v8_i2_g1_fu_s1_m1(CK_ARGS)
   __syncthreads();
 
   const float* fA = gA; const float* fB = gB;
+  // The block's partial-row stores are done (the barrier above); thread 0 makes them visible
+  // device-wide (a fence after the barrier is cumulative, as in a cooperative grid sync) and
+  // takes the ticket while the other warps start the dx pass.
+  __shared__ int ck_last;  // 1: this block folds dgamma/dbeta after its dx pass
+  const bool ck_fold = (long long)N * SPLIT * CH <= DGB_LAST_MAX;  // uniform (else: the _dgb kernel)
+  if (ck_fold && tid == 0) {
+    __threadfence();
+    unsigned* ticket = reinterpret_cast<unsigned*>(ws + TICKET_OFF) + (tile % tiles_per_n);
+    const unsigned t = atomicAdd(ticket, 1u);
+    ck_last = t == (unsigned)(N * SPLIT - 1);
+    if (ck_last) atomicExch(ticket, 0u);  // every other block of the tile has taken its ticket
+  }
+
   const float invM = 1.f / ((float)Cg * (float)HW);
   float ca[VEC], cb[VEC], cc[VEC];
 #pragma unroll
@@ -251,6 +270,36 @@ ckgen_groupnorm_bwd_fp16_nhwc_t512_v8_i2_g1_fu_s1_m1(CK_ARGS)
         ck_store(dx + o[j], out);
 
       }
+    }
+  }
+
+  if (ck_fold) __syncthreads();  // ck_last is set
+  if (ck_fold && ck_last) {
+    __threadfence();
+    constexpr int LANES = BLOCK / DGB_CH;
+    __shared__ float q1[LANES][DGB_CH], q2[LANES][DGB_CH];
+    const int cl = tid % DGB_CH, rg = tid / DGB_CH;
+    const int rows = N * SPLIT;
+    for (int cb = 0; cb < CH; cb += DGB_CH) {
+      const int c = g0 * Cg + cb + cl;
+      float s1 = 0.f, s2 = 0.f;
+      if (cb + cl < CH) {
+#pragma unroll 4
+        for (int r = rg; r < rows; r += LANES) {
+          const volatile float* w = ws + ((long long)r * C + c) * 2;  // other blocks' stores
+          s1 += w[0];
+          s2 += w[1];
+        }
+      }
+      q1[rg][cl] = s1; q2[rg][cl] = s2;
+      __syncthreads();
+      if (rg == 0 && cb + cl < CH) {
+        float t1 = 0.f, t2 = 0.f;
+        for (int k = 0; k < LANES; ++k) { t1 += q1[k][cl]; t2 += q2[k][cl]; }
+        dgamma[c] = ck_from_f(t1);
+        dbeta[c] = ck_from_f(t2);
+      }
+      __syncthreads();  // q1, q2 are reused by the next round
     }
   }
 

@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--db", default=str(ROOT / "ckgen" / "data" / "instances.yaml"))
     a = ap.parse_args()
     from ckgen import db as dbmod
+    from ckgen.bench import gbps
     from ckgen.instance import render_instance
     from ckgen.ops import get_op
     from ckgen.types import Config, Target
@@ -52,7 +53,7 @@ def main() -> int:
         us = float(r["us"])
         prov = {**e.provenance_dict(), "retimed": when, "retimed_from_us": e.time_us}
         out.append(dataclasses.replace(e, instance=src.name, source_sha256=src.sha256, time_us=round(us, 3),
-                                       gbps=round(op.min_bytes(p) / us / 1e3, 1), provenance=prov, spread=None))
+                                       gbps=round(gbps(op.min_bytes(p), us), 1), provenance=prov, spread=None))
         changed += 1
     if failed:
         print("not re-timed (kept stale):\n  " + "\n  ".join(failed), file=sys.stderr)

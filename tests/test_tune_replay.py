@@ -125,7 +125,8 @@ def test_replayed_search_at_40_trials_is_within_3pct_in_90pct_of_runs_on_every_s
                    "strict: when it passes again, make it a plain test")
 def test_replayed_search_at_40_trials_stays_near_the_best(results):
     """What 40 trials do reach today (a floor against regressions): every run within 6% of the
-    exhaustive best (worst today 4.6%, max pool bwd NHWC; 6.0% before the neighbour seeds)."""
+    exhaustive best (6.1% with the model of 2026-11-27 after the re-tune, hence the xfail; 4.6% before it,
+    max pool bwd NHWC; 6.0% before the neighbour seeds)."""
     runs = [r for (_, t), rs in results.items() if t == 40 for r in rs]
     assert max(runs) <= 1.06, {name: max(rs) for (name, t), rs in results.items() if t == 40}
 

@@ -139,9 +139,12 @@ ckgen_groupnorm_bwd_gamma_beta_bf16_nchw_t128_v4_i4_g1_ms_s8_m1_stats(CK_ARGS)
   // Streaming: a 2-D tile of RR rows x CC threads. Row r sums channels cl0 + r, cl0 + r + RR, ...
   // of the block's share, its CC threads sweeping the channel's run of vectors (coalesced);
   // the row's threads then reduce in a fixed order and one of them writes the channel's sums.
+  // A row is as narrow as sweeps a channel in one step of ITEMS vectors per thread: the rounds
+  // (one per RR channels) are a serial chain of a load round trip and a reduction each, so
+  // short channels (small H*W) take RR at a time, not one.
   {
     int CC = BLOCK;
-    if (hv < BLOCK) { CC = 1; while (CC < hv) CC <<= 1; }
+    if (hv < BLOCK * ITEMS) { CC = 1; while (CC * ITEMS < hv) CC <<= 1; }
     const int RR = BLOCK / CC, rr = tid / CC, cc = tid % CC;
     const int cl0 = v0 / hv, cl1 = vend > v0 ? (vend - 1) / hv : cl0 - 1;
     const int rounds = (cl1 - cl0 + RR) / RR;  // block-uniform

@@ -10,7 +10,10 @@ bound `validate` uses), used (`regs_used`: what the compiler allocates, up to th
 ckgen uses), samefloor (as used, but every launch of a call costs the first launch's floor and no re-read
 term for the max backward's recompute: the model before 2026-11-25), norecompute (the floor
 split without the recompute term), next025 / next05 / next1 (the further launches' floor pinned at
-0.25 / 0.5 / 1 of the first's, instead of fitted on FLOOR_NEXT_GRID). OPS: comma-separated, or "all".
+0.25 / 0.5 / 1 of the first's, instead of fitted on FLOOR_NEXT_GRID), nochain / chainsum /
+chainmax / chainmax2 (GroupNorm's chain term: off (the model before 2026-11-27), log1p(chain /
+roofline), log max(1, chain / roofline) (what ckgen uses), the same at CHAIN_US = 2, the same with
+the term's prior weight 1 instead of 0.5). OPS: comma-separated, or "all".
 Results: bench/results/logs/costmodel-kfold-pool-fwd.txt, costmodel-kfold-2026-11-25.txt."""
 import sys, math, random, collections
 from pathlib import Path
@@ -37,8 +40,15 @@ elif variant in ('next025','next05','next1'):  # the further launches' floor pin
     cm.FLOOR_NEXT_GRID=({'next025':0.25,'next05':0.5,'next1':1.0}[variant],); variant_regs='used'
 elif variant=='norecompute':  # the floor split, but no re-read term for the max backward's recompute
     cm.RECOMPUTE_REREAD=False; variant_regs='used'
+elif variant in ('nochain','chainsum','chainmax','chainmax2','chainmaxp1'):  # the chain term (2026-11-27): off, log1p, log max(1, .)
+    cm.CHAIN={'nochain':None,'chainsum':'sum','chainmax':'max','chainmax2':'max','chainmaxp1':'max'}[variant]; variant_regs='used'
+    if variant=='chainmax2': cm.CHAIN_US=2.0
+    if variant=='chainmaxp1': cm.PRIOR[cm.TERM_NAMES.index('chain')]=1.0
 else:
     variant_regs=variant
+# every record predates the NCHW backward's narrower rows (c3f789e): score picks against their
+# times with the rule they ran (the fit already counts each record's chain with its own rule)
+cm.PREDICT_NARROW_ROWS=False
 cm._regs={'legacy':legacy,'needed':needed,'used':orig}[variant_regs]
 probs=sorted({(r['op'],r['arch'],r['problem']) for r in recs if r['op'] in ops_sel})
 random.Random(0).shuffle(probs)

@@ -122,6 +122,7 @@ TERMS: tuple[tuple[str, float, str], ...] = (
     ("unroll", 0.0, "log2(vectors or positions per thread)"),
     ("min_blocks", 0.0, "log2(min blocks per SM)"),
     ("gpb", 0.0, "log2(groups per block), GroupNorm NHWC"),
+    ("chain", 0.5, "GroupNorm: log of the serial load round trips' time (chain_steps x waves x CHAIN_US) / roofline, when more"),
 )
 TERM_NAMES = tuple(t[0] for t in TERMS)
 PRIOR = np.array([t[1] for t in TERMS])
@@ -136,6 +137,18 @@ FLOOR_NEXT_GRID = (0.25, 0.5, 1.0)
 RECOMPUTE_REREAD = True
 NEED_GRID = (0.25e6, 0.5e6, 1e6, 2e6, 4e6, 8e6)  # bytes in flight the GPU needs to hide memory latency
 RIDGE = 40.0
+# The chain term (GroupNorm): a block's serial load round trips (`chain_steps`) x its waves x
+# CHAIN_US bound the time from below however few bytes move (HBM latency ~0.6-0.8 us on the H100,
+# plus the reduction that follows a step). "max": log(max(1, chain / roofline)); "sum":
+# log(1 + chain / roofline); None: no term, the model before 2026-11-27 (bench/costmodel_kfold.py)
+CHAIN: str | None = "max"
+CHAIN_US = 1.0
+# Records timed from this date ran the NCHW backward's narrower rows (c3f789e, 2026-11-27: the
+# shipped entries it re-hashed were re-timed with it at 18:57; the last tuning records before it
+# are of 15:21); the fit counts older ones' chain with the rule they ran. Predictions count today's (PREDICT_NARROW_ROWS; the
+# k-fold study turns it off to score picks against the old records' times).
+NARROW_ROWS_SINCE = "2026-11-27T18:00"
+PREDICT_NARROW_ROWS = True
 # The measured correction: a config's prediction is corrected by how far off the model was for
 # that config on recorded problems near this one (its within-problem log residual), weighted by
 # exp(-related_distance / CORR_TAU) and shrunk toward 0 by CORR_PRIOR of pseudo-weight. 0: off.
@@ -176,7 +189,9 @@ class Geometry:
     phi: tuple[float, ...]  # the TERMS but "par" (which needs the fitted knee): par slot is 0
 
 
-def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None = None) -> Geometry:
+def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None = None,
+             narrow_rows: bool | None = None) -> Geometry:
+    """`narrow_rows`: the NCHW backward rule `chain_steps` counts with (None: PREDICT_NARROW_ROWS)."""
     sms = sms or num_sms(target.arch)
     d = c.as_dict()
     item = DTYPES[p.dtype]["itemsize"]
@@ -255,10 +270,73 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
             (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride  # type: ignore[attr-defined]
             reads = -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
         phi["reread"] = math.log1p(x_bytes * max(0.0, reads / (th * tw) - 1.0) / need_bytes)
+    steps = chain_steps(op, p, c, PREDICT_NARROW_ROWS if narrow_rows is None else narrow_rows)
+    if CHAIN and steps:
+        ratio = steps * math.ceil(waves) * CHAIN_US / (need_bytes / BW_BYTES_PER_US)
+        phi["chain"] = math.log1p(ratio) if CHAIN == "sum" else max(0.0, math.log(ratio))
     ws = op.workspace_bytes(p, c)
     allocs = len(op.output_buffers(p)) + (1 if ws > KEEP_WS_BYTES else 0)
     return Geometry(len(launches), allocs, math.log(max(need_bytes, 1) / BW_BYTES_PER_US), math.log(inflight),
                     tuple(phi[n] for n in TERM_NAMES))
+
+
+def _pow2_at_least(n: int) -> int:
+    k = 1
+    while k < n:
+        k <<= 1
+    return k
+
+
+def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> int:
+    """GroupNorm: the load round trips one block makes one after another (its critical path),
+    as the templates walk their shares. A block whose x is held (`regs`, `single_pass`) loads
+    it in one step; a streaming pass takes one step per ITEMS vectors a thread has in flight
+    (NCHW: threads x ITEMS vectors of the share per step; NHWC: R pixel rows x ITEMS), and the
+    forward's reload / the backward's staged and fused schemes stream twice (sums, then y or
+    dx). The NCHW backward's sums go channel by channel in a 2-D tile of RR rows x CC threads:
+    a round per RR channels, each ceil(channel / (CC x ITEMS)) steps long, where a row is as
+    narrow as sweeps a channel in one step (CC x ITEMS >= H*W/vec) since 2026-11-27, and was as
+    wide as the channel (CC >= H*W/vec, up to the block) before (`narrow_rows=False`: records
+    timed before NARROW_ROWS_SINCE ran that). Pooling: 0 (no chain term)."""
+    name = op.name
+    if not name.startswith("groupnorm"):
+        return 0
+    d = c.as_dict()
+    item = DTYPES[p.dtype]["itemsize"]
+    vec = max(1, d["vec_bytes"] // item)
+    threads, items = d["threads"], d["items"]
+    Cg, HW = p.C // p.G, p.H * p.W  # type: ignore[attr-defined]
+    if name == "groupnorm_fwd":
+        split = d["cluster"] if d["merge"] == "cluster" else d["global_split"]
+        held = d["slice_in"] == "regs"
+        if p.layout == "nchw":
+            per_step, share = threads * items, -(-(Cg * HW // vec) // split)
+        else:
+            ch = p.C if d["slice_in"] == "rows" else d["groups_per_block"] * Cg
+            rows, share = max(1, threads // max(1, ch // vec)), -(-HW // split)
+            per_step = rows * items
+        return 1 if held else 2 * -(-share // per_step)
+    scheme = op.scheme(c)  # type: ignore[attr-defined]
+    want_dx = getattr(op, "want_dx", True)
+    split = d["split"]
+    if scheme == "single_pass":
+        return 1
+    passes = 2 if want_dx else 1  # the sums, then dx
+    if p.layout == "nhwc":
+        ch = d["groups_per_block"] * Cg
+        rows, share = max(1, threads // max(1, ch // vec)), -(-HW // split)
+        return passes * -(-share // (rows * items))
+    hv = max(1, HW // vec)
+    share = -(-(Cg * hv) // split)
+    dx = -(-share // (threads * items)) if want_dx else 0
+    if narrow_rows:
+        cc = threads if hv >= threads * items else _pow2_at_least(-(-hv // items))
+    else:
+        cc = threads if hv >= threads else _pow2_at_least(hv)
+    cc = min(cc, threads)
+    chans = min(Cg, -(-share // hv) + (1 if share % hv else 0))
+    rounds = -(-chans // (threads // cc))
+    return rounds * -(-min(hv, share) // (cc * items)) + dx
 
 
 def _regs(op: OpSpec, p: Problem, c: Config) -> int:
@@ -635,7 +713,7 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
     rows = _usable_records(records)
     if not rows:
         raise ModelError("no usable record to fit on")
-    geos = [geometry(op, p, c, t) for _, op, p, t, c in rows]
+    geos = [geometry(op, p, c, t, narrow_rows=str(r.get("date", "")) >= NARROW_ROWS_SINCE) for r, op, p, t, c in rows]
     t_obs = np.array([float(r["time_us"]) for r, *_ in rows])
     n_l = np.array([g.launches for g in geos], dtype=np.float64)
     roof = np.array([g.log_roof for g in geos])

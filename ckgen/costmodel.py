@@ -145,8 +145,9 @@ CHAIN: str | None = "max"
 CHAIN_US = 1.0
 # Records timed from this date ran the NCHW backward's narrower rows (c3f789e, 2026-11-27: the
 # shipped entries it re-hashed were re-timed with it at 18:57; the last tuning records before it
-# are of 15:21); the fit counts older ones' chain with the rule they ran. Predictions count today's (PREDICT_NARROW_ROWS; the
-# k-fold study turns it off to score picks against the old records' times).
+# are of 15:21); the fit counts older ones' chain with the rule they ran. Predictions count
+# today's (PREDICT_NARROW_ROWS; the k-fold study turns it off to score picks against the old
+# records' times).
 NARROW_ROWS_SINCE = "2026-11-27T18:00"
 PREDICT_NARROW_ROWS = True
 # The measured correction: a config's prediction is corrected by how far off the model was for
@@ -297,7 +298,9 @@ def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> 
     a round per RR channels, each ceil(channel / (CC x ITEMS)) steps long, where a row is as
     narrow as sweeps a channel in one step (CC x ITEMS >= H*W/vec) since 2026-11-27, and was as
     wide as the channel (CC >= H*W/vec, up to the block) before (`narrow_rows=False`: records
-    timed before NARROW_ROWS_SINCE ran that). Pooling: 0 (no chain term)."""
+    timed before NARROW_ROWS_SINCE ran that). Exact where every block's share is whole channels;
+    where a share straddles channels each piece is counted as a whole channel's steps, an upper
+    bound within 2x of the walk (tests/test_costmodel_chain.py). Pooling: 0 (no chain term)."""
     name = op.name
     if not name.startswith("groupnorm"):
         return 0

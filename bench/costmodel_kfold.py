@@ -46,8 +46,9 @@ elif variant in ('nochain','chainsum','chainmax','chainmax2','chainmaxp1'):  # t
     if variant=='chainmaxp1': cm.PRIOR[cm.TERM_NAMES.index('chain')]=1.0
 else:
     variant_regs=variant
-# every record predates the NCHW backward's narrower rows (c3f789e): score picks against their
-# times with the rule they ran (the fit already counts each record's chain with its own rule)
+# the records predate the NCHW backward's narrower rows (c3f789e) but for the re-timed shipped
+# winners (one record per problem, since the rebuild after it): score picks against the old rule
+# (the fit itself counts each record's chain with the rule of its date)
 cm.PREDICT_NARROW_ROWS=False
 cm._regs={'legacy':legacy,'needed':needed,'used':orig}[variant_regs]
 probs=sorted({(r['op'],r['arch'],r['problem']) for r in recs if r['op'] in ops_sel})

@@ -67,7 +67,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from .ops import get_op
-from .ops.groupnorm import fwd_regs_needed
+from .ops.groupnorm import fwd_regs_needed, nhwc_tile
 from .ops.groupnorm_bwd import bwd_regs_needed
 from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
 
@@ -282,10 +282,7 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
 
 
 def _pow2_at_least(n: int) -> int:
-    k = 1
-    while k < n:
-        k <<= 1
-    return k
+    return 1 << max(0, n - 1).bit_length()
 
 
 def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> int:
@@ -316,9 +313,9 @@ def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> 
             per_step, share = threads * items, -(-(Cg * HW // vec) // split)
         else:
             ch = p.C if d["slice_in"] == "rows" else d["groups_per_block"] * Cg
-            rows, share = max(1, threads // max(1, ch // vec)), -(-HW // split)
+            _, rows, share = nhwc_tile(ch, vec, threads, split, HW, "")
             per_step = rows * items
-        return 1 if held else 2 * -(-share // per_step)
+        return 1 if held else 2 * -(-share // max(1, per_step))
     scheme = op.scheme(c)  # type: ignore[attr-defined]
     want_dx = getattr(op, "want_dx", True)
     split = d["split"]
@@ -326,9 +323,8 @@ def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> 
         return 1
     passes = 2 if want_dx else 1  # the sums, then dx
     if p.layout == "nhwc":
-        ch = d["groups_per_block"] * Cg
-        rows, share = max(1, threads // max(1, ch // vec)), -(-HW // split)
-        return passes * -(-share // (rows * items))
+        _, rows, share = nhwc_tile(d["groups_per_block"] * Cg, vec, threads, split, HW, "")
+        return passes * -(-share // max(1, rows * items))
     hv = max(1, HW // vec)
     share = -(-(Cg * hv) // split)
     dx = -(-share // (threads * items)) if want_dx else 0

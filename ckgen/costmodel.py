@@ -67,9 +67,10 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from .ops import get_op
-from .ops.groupnorm import fwd_regs_needed, nhwc_tile
+from .ops.groupnorm import fwd_regs_needed, nhwc_tile, whole_rows
 from .ops.groupnorm_bwd import bwd_regs_needed
 from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
+from .target import DEFAULT_SMS, NUM_SMS  # noqa: F401 - SMs per arch where no device is at hand; re-exported
 
 FORMAT = "ckgen-costmodel"
 VERSION = 1
@@ -94,11 +95,6 @@ ACCEPT_TRIES = 8
 WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept as "winners"
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
 
-# SMs (CUs) per arch, for the model's parallelism terms when no device is at hand: the
-# flagship part of each arch (an H100 SXM for sm_90). Others: DEFAULT_SMS.
-NUM_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_90a": 132, "sm_100": 148,
-           "sm_120": 170, "gfx90a": 104, "gfx942": 304, "gfx1100": 96}
-DEFAULT_SMS = 108
 
 # Host time of one call on the H100 host (bench/results/host_overhead-NVIDIA-H100-80GB-HBM3.json,
 # torch inputs): cuLaunchKernel's floor per launch (4.06 us), an output allocation, and the rest
@@ -231,7 +227,7 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
     # (pooling reads whole rows or pixels of all channels: long runs)
     if gn:
         split = d["cluster"] if d.get("merge") == "cluster" else d.get("global_split", d.get("split", 1))
-        tile = p.C if d.get("slice_in") == "rows" else d["groups_per_block"] * p.C // p.G
+        tile = p.C if name == "groupnorm_fwd" and whole_rows(c) else d["groups_per_block"] * p.C // p.G
         if p.layout == "nchw":
             run = max(1, p.C // p.G * p.H * p.W // split) * item
         elif tile < p.C:
@@ -244,7 +240,7 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
             phi["reread"] = math.log1p(x_bytes / need_bytes)
         phi["split"] = math.log2(d["cluster"] if d["merge"] == "cluster" else d["global_split"])
         if p.layout == "nhwc":
-            phi["gpb"] = math.log2(p.G if d["slice_in"] == "rows" else d["groups_per_block"])
+            phi["gpb"] = math.log2(p.G if whole_rows(c) else d["groups_per_block"])
     elif gn:
         scheme = op.scheme(c)  # type: ignore[attr-defined]
         if name != "groupnorm_bwd_gamma_beta" and scheme != "single_pass":
@@ -312,7 +308,7 @@ def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> 
         if p.layout == "nchw":
             per_step, share = threads * items, -(-(Cg * HW // vec) // split)
         else:
-            ch = p.C if d["slice_in"] == "rows" else d["groups_per_block"] * Cg
+            ch = p.C if whole_rows(c) else d["groups_per_block"] * Cg
             _, rows, share = nhwc_tile(ch, vec, threads, split, HW, "")
             per_step = rows * items
         return 1 if held else 2 * -(-share // max(1, per_step))

@@ -197,6 +197,7 @@ _KEEP_WS_BYTES = 4 << 20
 _multi_gpu: bool | None = None  # more than one visible device: check the current one per call
 _rt: Any = None  # cupy.cuda.runtime and driver.launchKernel, bound when the first plan is built
 _launch_kernel: Any = None
+_launch_cooperative: Any = None  # driver.launchCooperativeKernel (Launch.cooperative: a grid barrier)
 
 
 @dataclass(frozen=True)
@@ -224,14 +225,14 @@ class Plan:
         from .target import device_info
         from .tensors import alignment, current_stream_fn
 
-        global _multi_gpu, _rt, _launch_kernel
+        global _multi_gpu, _rt, _launch_kernel, _launch_cooperative
         if _rt is None:
             from .target import require_cupy
 
             require_cupy()  # not installed: say what to install
             from cupy.cuda import driver, runtime
 
-            _rt, _launch_kernel = runtime, driver.launchKernel
+            _rt, _launch_kernel, _launch_cooperative = runtime, driver.launchKernel, driver.launchCooperativeKernel
             _multi_gpu = runtime.getDeviceCount() > 1
         self.device = like.device
         with _on_device(self.device):
@@ -242,7 +243,7 @@ class Plan:
             config = self.choice.config
             launches = op.launches(problem, config, target)
             self._kernels = [load_kernel(src, target, l.kernel).kernel for l in launches]  # cupy Functions
-        steps = [(k.ptr, *l.grid, *l.block, l.shared_mem) for k, l in zip(self._kernels, launches)]
+        steps = [(k.ptr, *l.grid, *l.block, l.shared_mem, l.cooperative) for k, l in zip(self._kernels, launches)]
         self.launches = len(steps)
         self.run, self._keep = _launcher(self, op, problem, like, inputs, outputs, steps,
                                          op.workspace_bytes(problem, config), op.workspace_zeroed(problem, config))
@@ -283,6 +284,7 @@ def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Seque
     ns: dict[str, Any] = {
         "LOCK": _LAUNCH_LOCK, "pack": struct.Struct(f"<{len(op.arg_names)}Q").pack_into, "buf": buf,
         "KARGS": int(kargs.ctypes.data), "pack_eps": struct.Struct("<f").pack_into, "launch": _launch_kernel,
+        "launch_coop": _launch_cooperative,
         "stream_of": current_stream_fn(like), "rt": _rt, "retry": _retry, "STEPS": tuple(steps), "plan": plan,
     }
     keep: list[Any] = [buf, kargs]  # alive as long as the plan
@@ -345,8 +347,9 @@ def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Seque
     if eps_at >= 0:
         body.append(f"        pack_eps(buf, {eps_at}, eps)")
     body.append("        try:")
-    for f, gx, gy, gz, bx, by, bz, smem in steps:
-        body.append(f"            launch({f}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {smem}, stream, KARGS, 0)")
+    for f, gx, gy, gz, bx, by, bz, smem, coop in steps:  # a cooperative launch takes no `extra`
+        body.append(f"            launch_coop({f}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {smem}, stream, KARGS)" if coop else
+                    f"            launch({f}, {gx}, {gy}, {gz}, {bx}, {by}, {bz}, {smem}, stream, KARGS, 0)")
     body += ["        except Exception as e:", "            retry(e, STEPS, stream, KARGS)"]
     body.append(f"    return ({''.join(f'o{i}, ' for i in range(len(outputs)))})")
     code = "\n".join(body) + "\n"
@@ -383,8 +386,11 @@ def _retry(e: Exception, steps: tuple, stream: int, kargs: int) -> None:
     if "CONTEXT" not in str(e):
         raise e
     _rt.memGetInfo()
-    for f, gx, gy, gz, bx, by, bz, smem in steps:
-        _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
+    for f, gx, gy, gz, bx, by, bz, smem, coop in steps:
+        if coop:
+            _launch_cooperative(f, gx, gy, gz, bx, by, bz, smem, stream, kargs)
+        else:
+            _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, 0)
 
 
 class _on_device:

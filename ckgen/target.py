@@ -78,3 +78,26 @@ def device_info(device_id: int | None = None) -> DeviceInfo:
 
 def current_target() -> Target:
     return device_info(None).target
+
+
+# SMs (CUs) per arch where no device is at hand (the cost model's parallelism terms, tuning
+# records, CI): the flagship part of each arch (an H100 SXM for sm_90). Others: DEFAULT_SMS.
+NUM_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_90a": 132, "sm_100": 148,
+           "sm_120": 170, "gfx90a": 104, "gfx942": 304, "gfx1100": 96}
+DEFAULT_SMS = 108
+
+
+@lru_cache(maxsize=None)
+def coresident_sms(target: Target) -> int:
+    """The SMs a grid whose blocks wait for each other (GroupNorm fwd merge=grid) may count on for
+    `target`: the fewest of the visible devices of that arch (an H100 PCIe has 114, an SXM 132),
+    else, with no such device (offline studies, CI), the arch's flagship part (NUM_SMS)."""
+    counts = []
+    if gpu_status() is None:
+        import cupy
+
+        for d in range(cupy.cuda.runtime.getDeviceCount()):
+            info = device_info(d)
+            if info.target == target:
+                counts.append(info.num_sms)
+    return min(counts) if counts else NUM_SMS.get(target.arch, DEFAULT_SMS)

@@ -116,6 +116,7 @@ class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int = 0
+    cooperative: bool = False  # every block resident at once (cuLaunchCooperativeKernel): a grid barrier
 
 
 @dataclass(frozen=True)

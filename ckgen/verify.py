@@ -17,6 +17,30 @@ class Check:
     detail: str  # worst output and its error relative to the tolerance (<= 1 passes)
 
 
+def cooperative_launcher(kernel: Any, launch: Any, args: tuple) -> Callable[[], None]:
+    """A callable making `launch` of `kernel` (a CuPy RawKernel) with `args` (kernel_args: numpy
+    scalars) through cuLaunchCooperativeKernel on the current stream: the driver starts every
+    block at once or refuses the grid with an error (a grid barrier never waits on a block that
+    cannot start). CuPy's own launch has no cooperative flag for a loaded cubin."""
+    import cupy
+    from cupy.cuda import driver
+
+    buf = np.zeros(len(args), dtype=np.uint64)  # one 8-byte slot per argument, as the dispatcher packs them
+    raw = buf.view(np.uint8)
+    for i, v in enumerate(args):
+        b = np.asarray(v).tobytes()
+        raw[i * 8:i * 8 + len(b)] = np.frombuffer(b, np.uint8)
+    kargs = np.array([buf.ctypes.data + i * 8 for i in range(len(args))], dtype=np.uint64)
+    f = kernel.kernel.ptr
+
+    def run() -> None:
+        _ = buf  # the argument slots live as long as the launcher
+        driver.launchCooperativeKernel(f, *launch.grid, *launch.block, launch.shared_mem,
+                                       cupy.cuda.get_current_stream().ptr, kargs.ctypes.data)
+
+    return run
+
+
 class Harness:
     """One problem's device inputs, its reference outputs, and output buffers to poison."""
 
@@ -43,10 +67,15 @@ class Harness:
         args = self.op.kernel_args(self.problem, {**ptrs, "ws": ws.data.ptr}, self.eps)
         steps = [(load_kernel(src, target, l.kernel), l) for l in self.op.launches(self.problem, config, target)]
 
+        coop = [cooperative_launcher(k, l, args) if l.cooperative else None for k, l in steps]
+
         def run() -> None:
             _ = ws  # the workspace lives as long as the runner
-            for kernel, l in steps:
-                kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
+            for (kernel, l), c in zip(steps, coop):
+                if c is None:
+                    kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
+                else:
+                    c()
 
         return run
 

@@ -26,6 +26,7 @@ class FakeCuda:
     def __init__(self, nslots: int) -> None:
         self.nslots = nslots
         self.launches: list[tuple] = []
+        self.cooperative: list[bool] = []  # launched through launchCooperativeKernel
         self.capturing = False
 
     def streamIsCapturing(self, stream: int) -> bool:  # noqa: N802 - CuPy's name
@@ -41,6 +42,10 @@ class FakeCuda:
         addrs = [ctypes.c_uint64.from_address(kargs + 8 * i).value for i in range(self.nslots)]
         slots = [ctypes.string_at(a, 8) for a in addrs]
         self.launches.append((f, (gx, gy, gz), (bx, by, bz), smem, stream, slots))
+        self.cooperative.append(extra is None)
+
+    def launch_coop(self, f, gx, gy, gz, bx, by, bz, smem, stream, kargs) -> None:  # no `extra`
+        self.launch(f, gx, gy, gz, bx, by, bz, smem, stream, kargs, None)
 
 
 def _slots(args: tuple) -> list[bytes]:
@@ -55,6 +60,7 @@ def fake(monkeypatch):
         cuda = FakeCuda(nslots)
         monkeypatch.setattr(dispatch, "_rt", cuda)
         monkeypatch.setattr(dispatch, "_launch_kernel", cuda.launch)
+        monkeypatch.setattr(dispatch, "_launch_cooperative", cuda.launch_coop)
         monkeypatch.setattr(dispatch, "_multi_gpu", False)
         monkeypatch.setattr(tensors, "current_stream_fn", lambda ref: (lambda: 77))
         kept: list = []
@@ -78,7 +84,8 @@ def plan_stub(name="test"):
     return SimpleNamespace(choice=SimpleNamespace(instance=name))
 
 
-STEPS = [(1111, 8, 1, 1, 256, 1, 1, 0), (2222, 3, 2, 1, 128, 1, 1, 64)]
+# (kernel, grid, block, shared memory, cooperative): the second a cooperative launch (merge=grid)
+STEPS = [(1111, 8, 1, 1, 256, 1, 1, 0, False), (2222, 3, 2, 1, 128, 1, 1, 64, True)]
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -99,8 +106,8 @@ def test_groupnorm_fwd_launcher_passes_kernel_args(fake, layout):
     want = _slots(op.kernel_args(p, {"x": x.data_ptr(), "gamma": 4096, "y": y.data_ptr(), "mean": mean.data_ptr(),
                                      "rstd": rstd.data_ptr()}, 1e-5))
     assert len(cuda.launches) == 2
-    for (f, grid, block, smem, stream, slots), step in zip(cuda.launches, STEPS):
-        assert (f, *grid, *block, smem) == step and stream == 77
+    for (f, grid, block, smem, stream, slots), coop, step in zip(cuda.launches, cuda.cooperative, STEPS):
+        assert (f, *grid, *block, smem, coop) == step and stream == 77
         assert slots == want
     # a second call: new outputs, the same scalars, the new pointers and eps
     y2, m2, r2 = run((x.data_ptr() + 64, 0, 8192), 0.5, x)

@@ -191,7 +191,7 @@ def test_rows_configs_compile_and_launch_two_kernels(shape: str) -> None:
     (the widest vectors and the most items, where the two pipelined steps need the most registers)."""
     p = _problem("bf16", "nhwc", "swish", shape)
     for arch in ("sm_90", "sm_80"):
-        rows = [c for c in _valid(p, arch) if c["slice_in"] == "rows"]
+        rows = [c for c in _valid(p, arch) if c["slice_in"] == "rows" and c["merge"] == "global"]
         assert rows, f"no valid rows config for {p.key()} on {arch}"
         picks = [max(rows, key=lambda c: (c["vec_bytes"], c["items"], c["threads"])),
                  min(rows, key=lambda c: (c["threads"], c["global_split"])),
@@ -203,6 +203,63 @@ def test_rows_configs_compile_and_launch_two_kernels(shape: str) -> None:
             assert OP.workspace_bytes(p, c) == p.N * c["global_split"] * p.G * 2 * 4
         for b in _compile_all([_render(p, c, arch) for c in picks], arch):
             assert len(b.cubin) > 0
+
+
+@pytest.mark.parametrize("slice_in", ["rows", "regs"])
+def test_grid_configs_compile_and_launch_one_cooperative_kernel(slice_in: str) -> None:
+    """merge=grid (NHWC whole pixel rows, one kernel): a single cooperative launch of N x
+    global_split blocks, never more than the arch's SMs x min_blocks (every block must be resident
+    for the per-sample barrier), the rows workspace plus one barrier counter per sample (the
+    part zeroed once); x streamed again from L2 (rows) or held in registers (regs). Compiles for
+    sm_90 and sm_80."""
+    from ckgen.target import coresident_sms
+
+    p = _problem("bf16", "nhwc", "swish", "cg10")
+    for arch in ("sm_90", "sm_80"):
+        t = Target.named(arch)
+        grid = [c for c in _valid(p, arch) if c["merge"] == "grid" and c["slice_in"] == slice_in]
+        assert grid, f"no valid merge=grid slice_in={slice_in} config for {p.key()} on {arch}"
+        picks = [max(grid, key=lambda c: (c["global_split"], c["items"], c["threads"])),
+                 *random.Random(slice_in + arch).sample(grid, 2)]
+        for c in picks:
+            (launch,) = OP.launches(p, c, t)
+            assert launch.cooperative and launch.kernel == OP.instance_name(p, c)
+            assert launch.grid[0] == p.N * c["global_split"] <= coresident_sms(t) * c["min_blocks"]
+            partials = p.N * c["global_split"] * p.G * 2 * 4
+            assert OP.workspace_bytes(p, c) == partials + 4 * p.N
+            assert OP.workspace_zeroed(p, c) == (partials, 4 * p.N)
+            assert OP.instance_name(p, c).endswith(f"_gb{c['global_split']}")
+        srcs = [_render(p, c, arch) for c in picks]
+        for src in srcs:
+            assert src.code.count("__global__") == 1 and "atomicAdd(bar" in src.code
+            assert ("ck_raw_t held[ITEMS]" in src.code) == (slice_in == "regs")
+        for b in _compile_all(srcs, arch):
+            assert len(b.cubin) > 0
+
+
+def test_validate_grid_rules() -> None:
+    """merge=grid: refused where the blocks could not all be resident, on HIP (no cooperative
+    launch there), for NCHW, for reload, and (regs) where a thread cannot hold its rows."""
+    from ckgen.target import coresident_sms
+
+    t = Target.named("sm_90")
+    cfg = OP.space.default.replace(slice_in="rows", merge="grid", global_split=8, vec_bytes=16)
+    p = _problem("bf16", "nhwc", "none", "cg16")
+    assert OP.validate(p, cfg, t)
+    big = OP.parse_problem(N=coresident_sms(t) // 8 + 1, C=512, H=32, W=32, G=32, dtype="bf16", layout="nhwc")
+    ok = OP.validate(big, cfg, t)
+    assert not ok and "resident" in ok.reason and "min_blocks=1" in ok.reason
+    assert OP.validate(big, cfg.replace(min_blocks=2, threads=512), t), "two blocks per SM fit twice the grid"
+    ok = OP.validate(p, cfg, Target.named("gfx942"))
+    assert not ok and "cooperative" in ok.reason
+    ok = OP.validate(_problem("bf16", "nchw", "none", "cg16"), cfg, t)
+    assert not ok and "NHWC" in ok.reason
+    ok = OP.validate(p, cfg.replace(slice_in="reload"), t)
+    assert not ok and "merge=grid" in ok.reason
+    held = cfg.replace(slice_in="regs", threads=1024, items=2, global_split=64)  # 64 columns x 16 rows
+    assert OP.validate(p, held, t), "1024 pixels / 64 blocks = 16 pixels per block: 16 rows x 2 items hold them"
+    ok = OP.validate(p, held.replace(global_split=16), t)  # 64 pixels per block > 16 rows x 2 items
+    assert not ok and "x held" in ok.reason
 
 
 def test_validate_rejects_rows_for_nchw_and_wide_rows() -> None:

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from ..space import load_space
+from ..target import coresident_sms
 from ..types import DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, short_repr
 from .numeric import from_storage, round_to, to_storage
 from .spec import OpSpec, Problem, check_choice, check_int, full_shapes
@@ -41,6 +42,27 @@ def nhwc_tile(ch: int, vec: int, threads: int, split: int, hw: int, what: str,
     if split > 1 and share < rows:
         return Support.no(f"a split of {split} leaves each block fewer pixels ({share}) than rows ({rows})"), 0, 0
     return Support.yes(), rows, share
+
+
+def whole_rows(config: Config) -> bool:
+    """The forward's NHWC block covers whole pixel rows (every channel, every group of a sample):
+    slice_in=rows (two kernels, or one with merge=grid) and slice_in=regs with merge=grid."""
+    return config["slice_in"] == "rows" or config["merge"] == "grid"
+
+
+def grid_barrier_fits(blocks: int, config: Config, target: Target) -> Support:
+    """merge=grid: the blocks of a sample wait for each other, so every block of the grid must be
+    resident at once. The launch is cooperative (the driver refuses a grid that does not fit, it
+    never hangs); this check keeps such configs out of the tuner and the dispatcher: at most
+    min_blocks blocks per SM (what __launch_bounds__ guarantees the registers for) on the
+    fewest SMs a device of the arch has (`target.coresident_sms`)."""
+    if target.vendor != "cuda":
+        return Support.no("merge=grid needs a cooperative launch (ckgen makes them on CUDA only)")
+    fit = coresident_sms(target) * config["min_blocks"]
+    if blocks > fit:
+        return Support.no(f"merge=grid: {blocks} blocks cannot all be resident (at most {fit}: "
+                          f"{coresident_sms(target)} SMs x min_blocks={config['min_blocks']})")
+    return Support.yes()
 
 
 @dataclass(frozen=True)
@@ -190,8 +212,8 @@ class GroupNormFwd(GroupNormOp):
         if regs_needed > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
-        if config["slice_in"] == "rows":
-            return self._validate_rows(p, config, vec, split)
+        if whole_rows(config):
+            return self._validate_rows(p, config, vec, split, target)
         if p.layout == "nchw":
             if gpb != 1:
                 return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
@@ -225,20 +247,26 @@ class GroupNormFwd(GroupNormOp):
             return Support.no("grid too large")
         return Support.yes()
 
-    def _validate_rows(self, p: GroupNormProblem, config: Config, vec: int, split: int) -> Support:
-        """slice_in=rows: blocks of whole NHWC pixel rows (all C channels), SPLIT blocks per sample."""
+    def _validate_rows(self, p: GroupNormProblem, config: Config, vec: int, split: int, target: Target) -> Support:
+        """Blocks of whole NHWC pixel rows (all C channels), SPLIT blocks per sample: slice_in=rows,
+        and slice_in=regs with merge=grid (each thread holds its rows of the share)."""
         threads = config["threads"]
+        what = "merge=grid" if config["merge"] == "grid" else "slice_in=rows"
         if p.layout != "nhwc":
-            return Support.no("slice_in=rows reads whole NHWC pixel rows; NCHW slices are contiguous")
+            return Support.no(f"{what} reads whole NHWC pixel rows; NCHW slices are contiguous")
         tile, rows, share = nhwc_tile(p.C, vec, threads, split, p.HW, f"the row's C={p.C} channels", 2048)
         if not tile:
             return tile
         serial = -(-share // rows)
+        if config["slice_in"] == "regs" and serial > config["items"]:
+            return Support.no(f"x held: {share} pixels per block exceed rows*items={rows * config['items']}")
         if serial > MAX_SERIAL_ADDS:
             return Support.no(f"each thread would sum {serial} pixels of a channel serially in fp32 "
                               f"(over {MAX_SERIAL_ADDS}: the mean loses accuracy); more rows or a split")
         if p.N * split > INT32_MAX:
             return Support.no("grid too large")
+        if config["merge"] == "grid":
+            return grid_barrier_fits(p.N * split, config, target)
         return Support.yes()
 
     def seed_configs(self, p: GroupNormProblem, target: Target, num_sms: int, count: int) -> list[Config]:
@@ -266,7 +294,7 @@ class GroupNormFwd(GroupNormOp):
         act = "_swish" if p.activation == "swish" else ""
         return (f"ckgen_groupnorm_fwd_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}"
                 f"_i{c['items']}_g{c['groups_per_block']}_c{c['cluster']}_{c['slice_in']}_m{c['min_blocks']}"
-                + (f"_gs{c['global_split']}" if c["merge"] == "global" else ""))
+                + {"global": f"_gs{c['global_split']}", "grid": f"_gb{c['global_split']}"}.get(c["merge"], ""))
 
     def render_context(self, p: GroupNormProblem, config: Config, target: Target) -> dict[str, Any]:
         d = DTYPES[p.dtype]
@@ -276,7 +304,7 @@ class GroupNormFwd(GroupNormOp):
 
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
         split = config["cluster"] if config["merge"] == "cluster" else config["global_split"]
-        if config["slice_in"] == "rows":
+        if whole_rows(config):
             return p.N * split  # a block covers every group
         return p.N * (p.G // config["groups_per_block"]) * split
 
@@ -285,14 +313,21 @@ class GroupNormFwd(GroupNormOp):
         grid, block = (self._blocks(p, config), 1, 1), (config["threads"], 1, 1)
         if config["merge"] == "global":
             return (Launch(f"{name}_stats", grid, block), Launch(name, grid, block))
-        return (Launch(name, grid, block),)
+        return (Launch(name, grid, block, cooperative=config["merge"] == "grid"),)
 
     def workspace_bytes(self, p: GroupNormProblem, config: Config) -> int:
-        # merge=global: (count, mean, M2) per block and group; rows: (sum, sum of squares) of every group
-        if config["merge"] != "global":
+        # merge=global: (count, mean, M2) per block and group; rows: (sum, sum of squares) of every
+        # group; merge=grid: the rows partials, then one barrier counter per sample
+        if config["merge"] == "cluster":
             return 0
-        gpb = p.G if config["slice_in"] == "rows" else config["groups_per_block"]
-        return self._blocks(p, config) * gpb * (2 if config["slice_in"] == "rows" else 3) * 4
+        rows = whole_rows(config)
+        partials = self._blocks(p, config) * (p.G if rows else config["groups_per_block"]) * (2 if rows else 3) * 4
+        return partials + (4 * p.N if config["merge"] == "grid" else 0)
+
+    def workspace_zeroed(self, p: GroupNormProblem, config: Config) -> tuple[int, int]:
+        if config["merge"] != "grid":
+            return 0, 0
+        return self._blocks(p, config) * p.G * 2 * 4, 4 * p.N  # the barrier counters
 
     def min_bytes(self, p: GroupNormProblem) -> int:
         return 2 * p.numel * DTYPES[p.dtype]["itemsize"]  # read x once, write y once

@@ -42,9 +42,9 @@ def _configs(problem, target, n, seed):
     rng.shuffle(valid)
     picked: list[Config] = []
     for key in (("slice_in", "regs"), ("slice_in", "reload"), ("slice_in", "rows"), ("cluster", 2), ("cluster", 4), ("cluster", 8),
-                ("merge", "global"), ("global_split", 16)):
+                ("merge", "global"), ("merge", "grid"), ("global_split", 16), ("merge", "grid", "slice_in", "regs")):
         for c in valid:
-            if c[key[0]] == key[1] and c not in picked:
+            if all(c[k] == v for k, v in zip(key[::2], key[1::2])) and c not in picked:
                 picked.append(c)
                 break
     for c in valid:

@@ -55,7 +55,7 @@ def grid_barrier_fits(blocks: int, config: Config, target: Target) -> Support:
     resident at once. The launch is cooperative (the driver refuses a grid that does not fit, it
     never hangs); this check keeps such configs out of the tuner and the dispatcher: at most
     min_blocks blocks per SM (what __launch_bounds__ guarantees the registers for) on the
-    fewest SMs a device of the arch has (`target.coresident_sms`)."""
+    fewest SMs a device of the arch has (`ckgen.target.coresident_sms`)."""
     if target.vendor != "cuda":
         return Support.no("merge=grid needs a cooperative launch (ckgen makes them on CUDA only)")
     fit = coresident_sms(target) * config["min_blocks"]
@@ -286,7 +286,7 @@ class GroupNormFwd(GroupNormOp):
         return self.families_first(valid, count)  # diverse: the best of each family first
 
     def seed_family(self, config: Config) -> tuple[str, int, str]:
-        """x held in registers or reloaded, the cluster size, the merge (cluster or global)."""
+        """x held in registers, reloaded or in whole rows; the cluster size; the merge (cluster, global or grid)."""
         return (config["slice_in"], config["cluster"], config["merge"])
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:

@@ -252,21 +252,27 @@ class Plan:
         return f"Plan({self.choice.instance}, device {self.device})"
 
 
+def arg_slots(values: Sequence[Any]) -> tuple[Any, Any]:
+    """Kernel parameters as cuLaunchKernel takes them: one 8-byte slot per value (each value's
+    bytes, numpy scalars, in the low end of its slot) and the array of the slots' addresses. The
+    slots may be rewritten between launches (the dispatcher's launcher does, per call)."""
+    import numpy as np
+
+    buf = np.zeros(len(values), dtype=np.uint64)
+    raw = buf.view(np.uint8)
+    for i, v in enumerate(values):
+        b = np.asarray(v).tobytes()
+        raw[i * _SLOT:i * _SLOT + len(b)] = np.frombuffer(b, np.uint8)
+    return buf, np.array([buf.ctypes.data + i * _SLOT for i in range(len(values))], dtype=np.uint64)
+
+
 def _arg_buffer(op: OpSpec, problem: Problem) -> tuple[Any, Any, int]:
     """The kernels' argument buffer: one 8-byte slot per argument (pointers, then the scalars,
     written here once, then eps), the array of slot addresses cuLaunchKernel takes, and the
     byte offset of eps (-1: none)."""
-    import numpy as np
-
     nptr = len(op.arg_names)
     scalars = op.scalar_args(problem)
-    nslots = nptr + len(scalars) + (1 if op.takes_eps else 0)
-    buf = np.zeros(nslots, dtype=np.uint64)
-    raw = buf.view(np.uint8)
-    for i, v in enumerate(scalars):
-        b = np.asarray(v).tobytes()
-        raw[(nptr + i) * _SLOT:(nptr + i) * _SLOT + len(b)] = np.frombuffer(b, np.uint8)
-    kargs = np.array([buf.ctypes.data + i * _SLOT for i in range(nslots)], dtype=np.uint64)
+    buf, kargs = arg_slots((0,) * nptr + tuple(scalars) + ((0,) if op.takes_eps else ()))  # pointers, eps: per call
     return buf, kargs, (nptr + len(scalars)) * _SLOT if op.takes_eps else -1
 
 

@@ -2,6 +2,7 @@
 compared with the op's float64 reference, every output, with the op's tolerances per dtype."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,12 +26,9 @@ def cooperative_launcher(kernel: Any, launch: Any, args: tuple) -> Callable[[], 
     import cupy
     from cupy.cuda import driver
 
-    buf = np.zeros(len(args), dtype=np.uint64)  # one 8-byte slot per argument, as the dispatcher packs them
-    raw = buf.view(np.uint8)
-    for i, v in enumerate(args):
-        b = np.asarray(v).tobytes()
-        raw[i * 8:i * 8 + len(b)] = np.frombuffer(b, np.uint8)
-    kargs = np.array([buf.ctypes.data + i * 8 for i in range(len(args))], dtype=np.uint64)
+    from .dispatch import arg_slots
+
+    buf, kargs = arg_slots(args)  # the slots the dispatcher's launcher fills
     f = kernel.kernel.ptr
 
     def run() -> None:
@@ -67,15 +65,13 @@ class Harness:
         args = self.op.kernel_args(self.problem, {**ptrs, "ws": ws.data.ptr}, self.eps)
         steps = [(load_kernel(src, target, l.kernel), l) for l in self.op.launches(self.problem, config, target)]
 
-        coop = [cooperative_launcher(k, l, args) if l.cooperative else None for k, l in steps]
+        calls = [cooperative_launcher(k, l, args) if l.cooperative else
+                 functools.partial(k, l.grid, l.block, args, shared_mem=l.shared_mem) for k, l in steps]
 
         def run() -> None:
             _ = ws  # the workspace lives as long as the runner
-            for (kernel, l), c in zip(steps, coop):
-                if c is None:
-                    kernel(l.grid, l.block, args, shared_mem=l.shared_mem)
-                else:
-                    c()
+            for call in calls:
+                call()
 
         return run
 

@@ -197,3 +197,30 @@ def test_output_like_x_falls_back_for_tensor_subclasses(fake):
                                 STEPS[:1], 0)
     (dx,) = run((4096,), 0.0, x)
     assert type(dx) is torch.Tensor and dx.shape == x.shape and not dx.requires_grad
+
+
+def test_harness_cooperative_launcher_passes_kernel_args(monkeypatch):
+    """verify.cooperative_launcher (the tuner's and the GPU tests' path for merge=grid) launches
+    through launchCooperativeKernel with the same 8-byte argument slots the dispatcher fills."""
+    import cupy
+    from cupy.cuda import driver
+
+    from ckgen.types import Launch
+    from ckgen.verify import cooperative_launcher
+
+    op = get_op("groupnorm_fwd")
+    p = op.parse_problem(N=2, C=64, H=6, W=5, G=8, dtype="bf16", layout="nhwc")
+    args = op.kernel_args(p, {"x": 4096, "gamma": 8192, "y": 12288, "mean": 16384, "rstd": 20480, "ws": 24576}, 1e-5)
+    got = []
+
+    def fake(f, gx, gy, gz, bx, by, bz, smem, stream, kargs):
+        addrs = [ctypes.c_uint64.from_address(kargs + 8 * i).value for i in range(len(args))]
+        got.append((f, (gx, gy, gz), (bx, by, bz), smem, stream, [ctypes.string_at(a, 8) for a in addrs]))
+
+    monkeypatch.setattr(driver, "launchCooperativeKernel", fake)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: SimpleNamespace(ptr=77))
+    kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=1111))
+    run = cooperative_launcher(kernel, Launch("k", (16, 1, 1), (512, 1, 1), 0, cooperative=True), args)
+    run()
+    run()
+    assert got == [(1111, (16, 1, 1), (512, 1, 1), 0, 77, _slots(args))] * 2

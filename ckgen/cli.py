@@ -619,8 +619,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         console.print(f"{out}: up to date ({n})", markup=False)
         return 0
     try:
-        for t in targets:  # a target's generated folders are rewritten whole: no stale instances stay behind
-            library.clear_target(out, t)
+        for t in targets:  # the target's folders of these ops are rewritten whole: no stale instances stay behind
+            library.clear_target(out, t, ops)
     except ValueError as e:
         raise UsageError(f"--out: {e}") from None
     library.write(instances, out)

@@ -104,8 +104,9 @@ def is_generated(folder: Path, arch: str, op: str | None = None) -> bool:
             and isinstance(doc.get("target"), dict) and doc["target"].get("arch") == arch)
 
 
-def clear_target(root: Path, arch: str) -> list[Path]:
-    """Remove the generated folders <root>/<arch>/<op>/ (those `is_generated` accepts), then
+def clear_target(root: Path, arch: str, ops: list[str] | None = None) -> list[Path]:
+    """Remove the generated folders <root>/<arch>/<op>/ (those `is_generated` accepts; only the
+    ops named in `ops` when it is given, as `ckgen generate --ops` rewrites only those), then
     <root>/<arch> if that leaves it empty; returns the folders removed. Nothing else is ever
     removed: not a folder without its manifest, not a link, nothing outside `root` (the arch
     name is checked by Target.named, so it is one plain path component)."""
@@ -117,7 +118,7 @@ def clear_target(root: Path, arch: str) -> list[Path]:
         raise ValueError(f"--out: {folder} resolves outside {root}; not removing it")
     removed = []
     for sub in sorted(folder.iterdir()):
-        if is_generated(sub, arch):
+        if (ops is None or sub.name in ops) and is_generated(sub, arch):
             shutil.rmtree(sub)
             removed.append(sub)
     try:

@@ -322,6 +322,18 @@ def test_generate_layers_the_user_db_over_the_shipped_one(run, tmp_path: Path, m
     assert stdout.startswith("wrote 1 instance for sm_90") or stdout.startswith("wrote 2 instances for sm_90")
 
 
+def test_generate_with_ops_rewrites_only_those_ops(run, tmp_path: Path) -> None:
+    out = tmp_path / "lib"
+    code, _, err = run("generate", "--ops", "maxpool2d_fwd,avgpool2d_fwd", "--target", "sm_90", "--defaults",
+                       "--no-compile", "--out", str(out))
+    assert code == 0, err
+    code, _, err = run("generate", "--ops", "avgpool2d_fwd", "--target", "sm_90", "--defaults",
+                       "--no-compile", "--out", str(out))
+    assert code == 0, err
+    for op in ("maxpool2d_fwd", "avgpool2d_fwd"):  # the op not named keeps its folder
+        assert (out / "sm_90" / op / "manifest.yaml").is_file(), op
+
+
 def test_generate_without_the_hip_toolchain_is_one_line(run, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("CKGEN_HIP_CLANG", "no-such-clang++")
     code, out, err = run("generate", "--ops", "groupnorm_fwd", "--target", "gfx90a,gfx942", "--out", str(tmp_path / "g"))

@@ -197,3 +197,13 @@ def test_clear_target_removes_generated_folders_and_then_the_empty_arch_folder(t
     assert library.clear_target(tmp_path, "sm_90") == []
     assert (tmp_path / "sm_90" / "groupnorm_fwd").is_dir()
     assert library.clear_target(tmp_path, "gfx942") == []  # nothing there
+
+
+def test_clear_target_with_ops_keeps_the_other_ops_folders(tmp_path):
+    insts = library.plan(["sm_90"], ["maxpool2d_fwd", "avgpool2d_fwd"], from_db=False, db=dbmod.InstanceDB())
+    library.write(insts, tmp_path)
+    assert library.clear_target(tmp_path, "sm_90", ["avgpool2d_fwd"]) == [tmp_path / "sm_90" / "avgpool2d_fwd"]
+    assert library.is_generated(tmp_path / "sm_90" / "maxpool2d_fwd", "sm_90")
+    assert library.clear_target(tmp_path, "sm_90", ["groupnorm_fwd"]) == []  # none there: nothing removed
+    assert library.clear_target(tmp_path, "sm_90", ["maxpool2d_fwd"]) == [tmp_path / "sm_90" / "maxpool2d_fwd"]
+    assert not (tmp_path / "sm_90").exists()

@@ -202,8 +202,8 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
     name = op.name
     gn = name.startswith("groupnorm")
     unroll = d["items"] if gn else d.get("th", 1) * d.get("tw", 1)
-    if d.get("scheme") == "pipelined" and p.layout == "nhwc":
-        unroll *= 2  # two steps of vectors in flight
+    if p.layout == "nhwc" and (d.get("scheme") == "pipelined" or (d.get("scheme") == "fused" and op.grid_merge(c))):
+        unroll *= 2  # two steps of vectors in flight (fused at a grid barrier streams as pipelined does)
     streams = 2 if name in ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta") else 1
     vec_bytes = d["vec_bytes"]
     if not gn and p.layout == "nchw" and name.endswith("_bwd"):

@@ -213,6 +213,48 @@ def test_one_kernel_schemes_fold_dgamma_dbeta_in_their_last_block(layout, gpb, s
     assert "TICKET_OFF" not in render_instance(op, p, ms, t).code and op.workspace_zeroed(p, ms) == (0, 0)
 
 
+@pytest.mark.parametrize("name", ["groupnorm_bwd", "groupnorm_bwd_data"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_split_past_a_cluster_merges_at_a_grid_barrier(name, layout):
+    """single_pass/fused with split > 8: one cooperative launch of every block (at most the arch's
+    SMs x min_blocks, or the config is invalid), A/B partials as [tile][group][rank] float2 after
+    the dgamma/dbeta rows, then one barrier counter (the part zeroed once); no cluster, no ticket,
+    no _dgb launch: dgamma/dbeta are folded after the barrier, the rounds spread over the blocks.
+    CUDA only (a cooperative launch); compiles for sm_90 and sm_80 (no clusters needed)."""
+    from ckgen.target import coresident_sms
+
+    op = get_op(name)
+    p = op.parse_problem(N=2, C=64, H=64, W=64, G=4, dtype="bf16", layout=layout, activation="swish")
+    for arch in ("sm_90", "sm_80"):
+        t = Target.named(arch)
+        grid = [c for c in _valid(op, p, arch) if c["split"] > 8 and c["scheme"] in ("single_pass", "fused")]
+        assert grid and all(op.grid_merge(c) for c in grid), arch
+        assert all(op._blocks(p, c) <= coresident_sms(t) * c["min_blocks"] for c in grid)
+        big = op.parse_problem(N=128, C=64, H=64, W=64, G=4, dtype="bf16", layout=layout, activation="swish")
+        assert "cannot all be resident" in op.validate(big, grid[0], t).reason  # 64x the blocks
+        picks = random.Random(arch + layout + name).sample(grid, 2)
+        if layout == "nhwc":
+            picks += [c for c in grid if c["groups_per_block"] == p.G][:1]  # whole pixel rows
+        for c in picks:
+            (launch,) = op.launches(p, c, t)
+            assert launch.cooperative and launch.kernel == op.instance_name(p, c)
+            blocks = op._blocks(p, c)
+            dgb = p.N * c["split"] * p.C * 2 if op.want_dgb else 0
+            assert op.workspace_bytes(p, c) == 4 * (dgb + blocks * c["groups_per_block"] * 2) + 4
+            assert op.workspace_zeroed(p, c) == (4 * (dgb + blocks * c["groups_per_block"] * 2), 4)
+            src = render_instance(op, p, c, t)
+            code = src.code
+            assert "__cluster_dims__" not in code and "TICKET_OFF" not in code and "_dgb(CK_ARGS)" not in code
+            assert code.count("atomicAdd(bar,") == 1 and "__ldcg(w + r)" in code
+            assert ("cbk * DGB_CH < C; cbk += gridDim.x" in code) == op.want_dgb
+            # NHWC fused streams as pipelined does (next step in flight; the dx pass rows last to first)
+            assert ("ck_store(oq - j * RC, out)" in code) == (layout == "nhwc" and c["scheme"] == "fused")
+            assert compile_offline(src, t).cubin
+    hip = Target.named("gfx942")
+    c = next(c for c in _valid(op, p, "sm_90") if op.grid_merge(c) and c["threads"] % 64 == 0)
+    assert "cooperative launch" in op.validate(p, c, hip).reason
+
+
 def test_min_bytes_and_outputs():
     p = get_op("groupnorm_bwd").parse_problem(N=2, C=8, H=4, W=4, G=2, dtype="bf16", layout="nhwc")
     assert get_op("groupnorm_bwd").min_bytes(p) == 3 * 2 * 2 * 8 * 16

@@ -7,7 +7,8 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .groupnorm import GroupNormOp, GroupNormProblem, groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile
+from .groupnorm import (GroupNormOp, GroupNormProblem, grid_barrier_fits, groupnorm_bwd_reference,
+                        groupnorm_fwd_reference, nhwc_tile)
 from .numeric import from_storage, round_to, to_storage
 from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
@@ -19,6 +20,7 @@ DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (se
 # fold, N*split rows x its channels, is at most this; past it one block's fold costs more than
 # the _dgb kernel's launch (bench/results/logs/gnbwd-dgb-last-*/)
 DGB_LAST_MAX = 512
+CLUSTER_MAX = 8  # single_pass/fused: split <= 8 is a portable cluster; past it, a grid-wide barrier
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -33,11 +35,11 @@ def bwd_regs_needed(p: GroupNormProblem, config: Config, scheme: str) -> int:
     item = DTYPES[p.dtype]["itemsize"]
     vec, items = config["vec_bytes"] // item, config["items"]
     packed = 2 * items * vec * item // 4  # x and dy, `items` vectors each, as loaded
-    # single_pass holds x and dy packed; NHWC pipelined keeps two steps packed; the other streams
-    # keep 2 x items x vec fp32 values
+    # single_pass holds x and dy packed; NHWC pipelined (and fused at a grid barrier, which streams
+    # as it does) keeps two steps packed; the other streams keep 2 x items x vec fp32 values
     if scheme == "single_pass":
         regs = packed + 40
-    elif scheme == "pipelined" and p.layout == "nhwc":
+    elif p.layout == "nhwc" and (scheme == "pipelined" or (scheme == "fused" and config["split"] > CLUSTER_MAX)):
         regs = 2 * packed + 40
     else:
         regs = 2 * items * vec + 40
@@ -56,6 +58,12 @@ class _GroupNormBwd(GroupNormOp):
     def scheme(self, config: Config) -> str:
         return config["scheme"] if self.want_dx else "multi_stage"
 
+    def grid_merge(self, config: Config) -> bool:
+        """single_pass/fused with split > 8 (past a portable cluster): the SPLIT blocks of a tile
+        merge A/B through the workspace at a grid-wide barrier, every block resident (a
+        cooperative launch), and fold dgamma/dbeta in the same kernel after it."""
+        return self.scheme(config) in ("single_pass", "fused") and config["split"] > CLUSTER_MAX
+
     def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
         in_space = self.space.check(config)
         if not in_space:
@@ -68,7 +76,7 @@ class _GroupNormBwd(GroupNormOp):
         vec = vb // item
         if threads % target.warp_size:
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
-        if scheme not in STAGED and split > 1 and not target.clusters:
+        if scheme not in STAGED and 1 < split <= CLUSTER_MAX and not target.clusters:
             return Support.no(f"{scheme} with split={split} needs thread-block clusters (sm_90+); "
                               f"{target.arch} has none (multi_stage and pipelined split through memory)")
         if p.Cg * p.HW // vec > _INT32_MAX:
@@ -103,6 +111,8 @@ class _GroupNormBwd(GroupNormOp):
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
         if self._blocks(p, config) > _INT32_MAX or p.N * split * p.C * 2 > _INT32_MAX:
             return Support.no("grid or workspace too large")
+        if self.grid_merge(config):
+            return grid_barrier_fits(self._blocks(p, config), config, target)
         return Support.yes()
 
     def dgb_in_dx(self, config: Config) -> bool:
@@ -113,7 +123,8 @@ class _GroupNormBwd(GroupNormOp):
         """The one-kernel schemes (single_pass, fused) can fold dgamma/dbeta in their only kernel:
         the last block of each channel tile to finish its sums (a ticket counter in the workspace)
         folds the tile's partial rows, where that fold is small (`dgb_ticket`)."""
-        return self.want_dx and self.want_dgb and self.scheme(config) in ("single_pass", "fused")
+        return (self.want_dx and self.want_dgb and self.scheme(config) in ("single_pass", "fused")
+                and not self.grid_merge(config))
 
     def dgb_ticket(self, p: GroupNormProblem, config: Config) -> bool:
         """This call folds dgamma/dbeta in its kernel (no `_dgb` launch): a tile's fold of
@@ -151,7 +162,8 @@ class _GroupNormBwd(GroupNormOp):
         return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout, activation=p.activation,
                     storage=d["storage"], itemsize=d["itemsize"], vec=config["vec_bytes"] // d["itemsize"],
                     want_dx=self.want_dx, want_dgb=self.want_dgb, scheme=self.scheme(config),
-                    dgb_in_dx=self.dgb_in_dx(config), dgb_last=self.dgb_last(config), dgb_last_max=DGB_LAST_MAX)
+                    dgb_in_dx=self.dgb_in_dx(config), dgb_last=self.dgb_last(config), dgb_last_max=DGB_LAST_MAX,
+                    grid_merge=self.grid_merge(config))
 
     # ---- launches and memory ----
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
@@ -165,22 +177,30 @@ class _GroupNormBwd(GroupNormOp):
         if self.scheme(config) in STAGED:
             out.append(Launch(f"{name}_stats", grid, block, smem))
         if self.want_dx:
-            out.append(Launch(name, grid, block, smem))
-        if self.want_dgb and not self.dgb_in_dx(config) and not self.dgb_ticket(p, config):
+            out.append(Launch(name, grid, block, smem, cooperative=self.grid_merge(config)))
+        if self.want_dgb and not self.dgb_in_dx(config) and not self.dgb_ticket(p, config) \
+                and not self.grid_merge(config):
             out.append(Launch(f"{name}_dgb", (-(-p.C // DGB_CHANNELS), 1, 1), (DGB_CHANNELS * DGB_ROW_LANES, 1, 1)))
         return tuple(out)
 
     def _ab_floats(self, p: GroupNormProblem, config: Config) -> int:
-        multi = self.want_dx and self.scheme(config) in STAGED
+        multi = self.want_dx and (self.scheme(config) in STAGED or self.grid_merge(config))
         return self._blocks(p, config) * config["groups_per_block"] * 2 if multi else 0
 
     def workspace_bytes(self, p: GroupNormProblem, config: Config) -> int:
-        # (ds, db) partial rows of the dgamma/dbeta fold first, then the staged schemes' A/B partials
+        # (ds, db) partial rows of the dgamma/dbeta fold first, then the A/B partials (staged schemes
+        # and the grid merge), then the zeroed counters
+        return self._partial_floats(p, config) * 4 + self.workspace_zeroed(p, config)[1]
+
+    def _partial_floats(self, p: GroupNormProblem, config: Config) -> int:
         dgb = p.N * config["split"] * p.C * 2 if self.want_dgb else 0
-        return 4 * (dgb + self._ab_floats(p, config)) + self.workspace_zeroed(p, config)[1]
+        return dgb + self._ab_floats(p, config)
 
     def workspace_zeroed(self, p: GroupNormProblem, config: Config) -> tuple[int, int]:
-        # dgb_last: one ticket counter (uint32) per channel tile, after the partial rows
+        # dgb_last: one ticket counter (uint32) per channel tile, after the partial rows; the grid
+        # merge: the barrier's counter, after the A/B partials
+        if self.grid_merge(config):
+            return 4 * self._partial_floats(p, config), 4
         if not self.dgb_last(config):
             return 0, 0
         return 4 * p.N * config["split"] * p.C * 2, 4 * (p.G // config["groups_per_block"])

@@ -195,13 +195,27 @@ def test_torch_cuda_graph_capture_and_replay(name, layout, workspace):
         assert choice.source == "tuned" and choice.config == config, choice
 
 
-@pytest.mark.parametrize("slice_in", ["rows", "regs"])
-@pytest.mark.parametrize("name", ["groupnorm_fwd", "groupnorm_fwd_swish"])
+GRID_BARRIER = {  # (op, variant) -> a config family of one cooperative launch with a barrier
+    ("groupnorm_fwd", "rows"): lambda c: c["merge"] == "grid" and c["slice_in"] == "rows",
+    ("groupnorm_fwd", "regs"): lambda c: c["merge"] == "grid" and c["slice_in"] == "regs",
+    ("groupnorm_fwd_swish", "rows"): lambda c: c["merge"] == "grid" and c["slice_in"] == "rows",
+    ("groupnorm_fwd_swish", "regs"): lambda c: c["merge"] == "grid" and c["slice_in"] == "regs",
+    # the backward's single_pass/fused past a cluster (split > 8): a grid-wide barrier
+    ("groupnorm_bwd", "fused"): lambda c: c["scheme"] == "fused" and c["split"] > 8,
+    ("groupnorm_bwd_data", "fused"): lambda c: c["scheme"] == "fused" and c["split"] > 8,
+}
+
+
+@pytest.mark.parametrize("name,slice_in", GRID_BARRIER)
 def test_torch_cuda_graph_capture_of_a_grid_barrier_kernel(name, slice_in):
-    """GroupNorm forward merge=grid (one cooperative launch, blocks meeting at a per-sample
-    barrier whose counters live in the workspace) eager, captured into a CUDA graph and replayed
-    on fresh data: the same bits as an eager call each time (the counters reset themselves)."""
-    config = force(name, "nhwc", lambda c: c["merge"] == "grid" and c["slice_in"] == slice_in, workspace=True)
+    """GroupNorm forward merge=grid and backward split > 8 (one cooperative launch, blocks meeting
+    at a barrier whose counters live in the workspace) eager, captured into a CUDA graph and
+    replayed on fresh data: the same bits as an eager call each time (the counters reset themselves)."""
+    config = force(name, "nhwc", GRID_BARRIER[name, slice_in], workspace=True)
+    from ckgen.target import current_target
+
+    op, p = problem_of(name, "nhwc")
+    assert any(launch.cooperative for launch in op.launches(p, config, current_target()))
     d = make_inputs(name, "nhwc")
     first = call(name, d)
     for a, b in zip(first, call(name, d)):  # a second eager call reuses the kept workspace

@@ -1,6 +1,6 @@
 """GPU tier for the GroupNorm backward ops: every op x dtype x layout x activation x configs of
-every scheme (single_pass, fused, multi_stage, pipelined; split 1 and > 1; pipelined over whole
-pixel rows too) on edge-case shapes, against
+every scheme (single_pass, fused, multi_stage, pipelined; split 1 and > 1, single_pass/fused
+at a grid-wide barrier past 8; pipelined over whole pixel rows too) on edge-case shapes, against
 the float64 reference (poisoned outputs, fresh random inputs) and against PyTorch autograd;
 dgamma/dbeta bitwise identical across runs."""
 from __future__ import annotations
@@ -41,16 +41,20 @@ def target():
 
 
 def _configs(op, problem, target, n, seed):
-    """n valid configs covering every scheme, split 1 and > 1 (and pipelined over whole pixel
-    rows, groups_per_block = G), then random others."""
+    """n valid configs covering every scheme, split 1 and > 1 (single_pass/fused: over a cluster
+    and, past 8, at a grid-wide barrier; and pipelined over whole pixel rows, groups_per_block =
+    G), then random others."""
     valid = [c for c in op.space.enumerate() if op.validate(problem, c, target)]
     rng = random.Random(seed)
     rng.shuffle(valid)
     picked: list[Config] = []
     schemes = ("single_pass", "fused", "multi_stage", "pipelined") if "scheme" in op.space.params else (None,)
-    for scheme, split in itertools.product(schemes, (False, True)):
+    def kind(c):  # 0: one block per tile; 1: split over a cluster or the workspace; 2: a grid barrier
+        return 0 if c["split"] == 1 else 2 if getattr(op, "grid_merge", lambda c: False)(c) else 1
+
+    for scheme, k in itertools.product(schemes, (0, 1, 2)):
         for c in valid:
-            if (scheme is None or c["scheme"] == scheme) and (c["split"] > 1) == split:
+            if (scheme is None or c["scheme"] == scheme) and kind(c) == k:
                 picked.append(c)
                 break
     picked += [c for c in valid if c.as_dict().get("scheme") == "pipelined"
@@ -104,6 +108,42 @@ def test_configs_match_reference(name, dtype, layout, act, shape, target):
         if not chk.ok:
             bad.append(f"{src.name}: {chk.detail}")
     assert not bad, "\n".join(bad)
+
+
+GRID_SHAPES = [  # (N, C, H, W, G), layout: where split > 8 blocks per tile fit on the GPU at once
+    ((2, 320, 16, 16, 32), "nhwc"),   # C/G = 10: vectors straddle groups
+    ((1, 64, 128, 128, 4), "nhwc"),
+    ((2, 24, 40, 40, 1), "nhwc"),     # G = 1
+    ((3, 96, 17, 19, 6), "nhwc"),     # odd pixel count: the last block's share is short
+    ((1, 64, 64, 64, 4), "nchw"),
+]
+
+
+@pytest.mark.parametrize("dtype,act", [("bf16", "swish"), ("fp16", "none"), ("fp32", "swish")])
+@pytest.mark.parametrize("shape,layout", GRID_SHAPES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_grid_barrier_configs_match_reference(shape, layout, dtype, act, target):
+    """single_pass/fused with split > 8: one cooperative launch, A/B merged through the workspace
+    at a grid-wide barrier, dgamma/dbeta folded after it. Several configs (whole pixel rows among
+    them), each run three times on one workspace: the barrier's counter resets itself."""
+    from ckgen.verify import Harness
+
+    checked = 0
+    for name in ("groupnorm_bwd", "groupnorm_bwd_data"):
+        op = OPS[name]
+        p = _problem(op, shape, dtype, layout, act)
+        grid = [c for c in op.space.enumerate() if op.grid_merge(c) and op.validate(p, c, target)]
+        random.Random(repr(shape) + dtype + name).shuffle(grid)
+        picks = [c for c in grid if c["groups_per_block"] == p.G][:1] + \
+                [c for c in grid if c["scheme"] == "single_pass"][:1]
+        picks += [c for c in grid if c not in picks][:4 - len(picks)]
+        h = Harness(op, p)
+        for c in picks:
+            run = h.runner(render_instance(op, p, c, target), c, target)
+            for _ in range(3):
+                chk = h.check(run)
+                assert chk.ok, f"{op.instance_name(p, c)}: {chk.detail}"
+            checked += 1
+    assert checked >= 2, f"only {checked} grid-barrier configs for {shape} {layout} {dtype}"
 
 
 @pytest.mark.parametrize("dtype,layout", [("fp32", "nchw"), ("fp32", "nhwc"), ("bf16", "nhwc"), ("fp16", "nchw")])

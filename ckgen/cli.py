@@ -610,7 +610,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.check:  # regenerate into a temp folder and compare with `out`
         with tempfile.TemporaryDirectory() as d:
             library.write(instances, Path(d))
-            diff = library.drift(out, Path(d))
+            diff = library.drift(out, Path(d), targets, ops)
         if diff:
             err.print(f"ckgen generate --check: {out} is out of date ({plural(len(diff), 'file')} differ"
                       f"{'s' if len(diff) == 1 else ''}, e.g. {', '.join(diff[:3])}); run `ckgen generate` with "

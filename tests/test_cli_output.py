@@ -332,6 +332,14 @@ def test_generate_with_ops_rewrites_only_those_ops(run, tmp_path: Path) -> None:
     assert code == 0, err
     for op in ("maxpool2d_fwd", "avgpool2d_fwd"):  # the op not named keeps its folder
         assert (out / "sm_90" / op / "manifest.yaml").is_file(), op
+    # --check with --ops/--target compares only those folders (the others are not drift)
+    code, _, err = run("generate", "--check", "--ops", "avgpool2d_fwd", "--target", "sm_90", "--defaults",
+                       "--out", str(out))
+    assert code == 0, err
+    (out / "sm_90" / "avgpool2d_fwd" / "manifest.yaml").write_text("changed\n")
+    code, _, err = run("generate", "--check", "--ops", "avgpool2d_fwd", "--target", "sm_90", "--defaults",
+                       "--out", str(out))
+    assert code == 1 and "out of date" in err
 
 
 def test_generate_without_the_hip_toolchain_is_one_line(run, tmp_path: Path, monkeypatch) -> None:

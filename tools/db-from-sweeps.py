@@ -34,6 +34,7 @@ def main() -> int:
     from ckgen import db as dbmod
     from ckgen.bench import gbps
     from ckgen.instance import render_instance
+    from ckgen.ops import get_op
     from ckgen.replay import read_sweep_doc
     from ckgen.types import Config, Target
 
@@ -42,8 +43,6 @@ def main() -> int:
     when = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     changed: dict[tuple[str, str, str], dbmod.Entry] = {}
     for path in a.sweeps:
-        from ckgen.ops import get_op
-
         doc = read_sweep_doc(path)
         op = get_op(doc["op"])
         p = op.problem_from_key(doc["problem"])
@@ -57,6 +56,7 @@ def main() -> int:
         best = Config.of(best_cfg)
         key = (op.name, target.arch, p.key())
         cur = by_key.get(key)
+        cur_us = 0.0  # the current entry's config, timed in this sweep
         if cur is None and not a.new:
             print(f"{p.key()}: no DB entry (use --new to add one); nothing changed")
             continue
@@ -65,8 +65,9 @@ def main() -> int:
             if cur_cfg not in times:
                 print(f"{p.key()}: the sweep did not measure the entry's config; nothing changed")
                 continue
-            if best == cur_cfg or best_us > times[cur_cfg] * (1 - a.min_gain):
-                print(f"{p.key()}: kept {cur.instance} ({times[cur_cfg]:.1f} us; sweep best {best_us:.1f} us)")
+            cur_us = times[cur_cfg]
+            if best == cur_cfg or best_us > cur_us * (1 - a.min_gain):
+                print(f"{p.key()}: kept {cur.instance} ({cur_us:.1f} us; sweep best {best_us:.1f} us)")
                 continue
         src = render_instance(op, p, best, target)
         default = op.space.nearest_default(lambda c: bool(op.validate(p, c, target)))
@@ -76,9 +77,9 @@ def main() -> int:
             gbps=round(gbps(op.min_bytes(p), best_us), 1),
             default_time_us=round(times.get(default, 0.0), 3) if default else 0.0,
             provenance={"ckgen": __version__, "date": when, "from_sweep": Path(path).name, "configs_measured": len(rows),
-                        "replaced_us": round(times[Config.of(cur.config_dict())], 3) if cur else 0.0})
+                        "replaced_us": round(cur_us, 3)})
         changed[key] = entry
-        was = f"{cur.instance} {times[Config.of(cur.config_dict())]:.1f} us" if cur else "no entry"
+        was = f"{cur.instance} {cur_us:.1f} us" if cur else "no entry"
         print(f"{p.key()}: {src.name} {best_us:.1f} us (was {was})")
     entries = [changed.pop((e.op, e.arch, e.problem), e) for e in d.entries] + list(changed.values())
     dbmod.save_entries(Path(a.output or a.db), entries)

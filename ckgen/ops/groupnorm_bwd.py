@@ -23,6 +23,12 @@ DGB_LAST_MAX = 512
 CLUSTER_MAX = 8  # single_pass/fused: split <= 8 is a portable cluster; past it, a grid-wide barrier
 
 
+def grid_merged(scheme: str, split: int) -> bool:
+    """single_pass/fused with split past a portable cluster: the blocks of a tile merge at a
+    grid-wide barrier (`_GroupNormBwd.grid_merge`)."""
+    return scheme in ("single_pass", "fused") and split > CLUSTER_MAX
+
+
 def _regs_per_thread(config: Config) -> int:
     return min(255, 65536 // (config["threads"] * config["min_blocks"]))
 
@@ -39,7 +45,7 @@ def bwd_regs_needed(p: GroupNormProblem, config: Config, scheme: str) -> int:
     # as it does) keeps two steps packed; the other streams keep 2 x items x vec fp32 values
     if scheme == "single_pass":
         regs = packed + 40
-    elif p.layout == "nhwc" and (scheme == "pipelined" or (scheme == "fused" and config["split"] > CLUSTER_MAX)):
+    elif p.layout == "nhwc" and (scheme == "pipelined" or (scheme == "fused" and grid_merged(scheme, config["split"]))):
         regs = 2 * packed + 40
     else:
         regs = 2 * items * vec + 40
@@ -62,7 +68,7 @@ class _GroupNormBwd(GroupNormOp):
         """single_pass/fused with split > 8 (past a portable cluster): the SPLIT blocks of a tile
         merge A/B through the workspace at a grid-wide barrier, every block resident (a
         cooperative launch), and fold dgamma/dbeta in the same kernel after it."""
-        return self.scheme(config) in ("single_pass", "fused") and config["split"] > CLUSTER_MAX
+        return grid_merged(self.scheme(config), config["split"])
 
     def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
         in_space = self.space.check(config)

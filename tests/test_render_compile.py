@@ -163,6 +163,29 @@ def test_render_depends_on_target_and_not_on_shape() -> None:
     assert _render(a, cfg, "sm_90").name == _render(a, cfg, "gfx942").name
 
 
+def test_bf16_rounding_is_one_instruction_on_cuda_only() -> None:
+    """CUDA bf16 kernels round fp32 -> bf16 with cvt.rn.bf16.f32 (and store 16-byte vectors with
+    cvt.rn.bf16x2.f32, two elements an instruction); HIP keeps the integer rounding; fp32/fp16
+    kernels render the integer helper as before (they never call it), so their sources, and the
+    DB's hashes of them, did not change with the bf16 one. tests/gpu/test_prelude_gpu.py checks
+    the instructions' bits against the host's rounding."""
+    for op_name in ("groupnorm_fwd", "groupnorm_bwd", "maxpool2d_bwd", "avgpool2d_fwd"):
+        op = get_op(op_name)
+        for dtype in DTYPES:
+            p = op.problem_from_key(
+                f"N=2,C=64,H=16,W=16,G=8,dtype={dtype},layout=nhwc,act=none" if op_name.startswith("groupnorm")
+                else f"N=2,C=64,H=16,W=16,k=3x3,s=2x2,p=1x1,d=1x1,ceil=0,dtype={dtype},layout=nhwc"
+                + (",indices=stored" if op_name == "maxpool2d_bwd" else ",cip=1,div=0"))
+            for arch in (*CUDA_ARCHS, *HIP_ARCHS):
+                t = Target.named(arch)
+                cfg = next(c for c in op.space.enumerate() if op.validate(p, c, t) and c["vec_bytes"] == 16)
+                code = render_instance(op, p, cfg, t).code
+                hw = dtype == "bf16" and t.vendor == "cuda"
+                assert ("cvt.rn.bf16.f32" in code) == hw, (op_name, dtype, arch)
+                assert ("cvt.rn.bf16x2.f32" in code) == hw, (op_name, dtype, arch)
+                assert ("round to nearest even" in code) == (not hw), (op_name, dtype, arch)
+
+
 # ------------------------------------------------------------------ offline compile (NVRTC)
 
 

@@ -8,7 +8,10 @@ entry is not a re-tuned one, and its provenance says so (retimed, retimed_from_u
     python tools/retime-entries.py --times times.json [--db ckgen/data/instances.yaml]
 
 Only entries on the JSON's device and arch whose (op, problem, config) it timed, with a result,
-and whose stored hash no longer matches today's render, change; the rest are kept as they are."""
+and whose stored hash no longer matches today's render, change; the rest are kept as they are.
+With --other-device, entries tuned on another device of the same arch are re-timed too: the
+entry's device becomes the one that timed it, its provenance keeps the device it was tuned on
+(`tuned_on`), and its default_time_us stays that device's (the tuner's default-config time)."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +29,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--times", required=True, help="bench/template_ab.py's JSON, run with today's templates")
     ap.add_argument("--db", default=str(ROOT / "ckgen" / "data" / "instances.yaml"))
+    ap.add_argument("--other-device", action="store_true",
+                    help="also re-time entries tuned on another device of the JSON's arch (see above)")
     a = ap.parse_args()
     from ckgen import db as dbmod
     from ckgen.bench import gbps
@@ -40,7 +45,8 @@ def main() -> int:
     out, changed, failed = [], 0, []
     for e in d.entries:
         r = times.get((e.op, e.problem, json.dumps(e.config_dict(), sort_keys=True)))
-        if r is None or e.device != doc["device"] or e.arch != doc["arch"] or dbmod.entry_verified(e):
+        if r is None or (e.device != doc["device"] and not a.other_device) or e.arch != doc["arch"] \
+                or dbmod.entry_verified(e):
             out.append(e)
             continue
         if not r.get("us"):
@@ -52,7 +58,9 @@ def main() -> int:
         src = render_instance(op, p, Config.of(e.config_dict()), Target.named(e.arch))
         us = float(r["us"])
         prov = {**e.provenance_dict(), "retimed": when, "retimed_from_us": e.time_us}
-        out.append(dataclasses.replace(e, instance=src.name, source_sha256=src.sha256, time_us=round(us, 3),
+        if e.device != doc["device"]:
+            prov.setdefault("tuned_on", e.device)
+        out.append(dataclasses.replace(e, device=doc["device"], instance=src.name, source_sha256=src.sha256, time_us=round(us, 3),
                                        gbps=round(gbps(op.min_bytes(p), us), 1), provenance=prov, spread=None))
         changed += 1
     if failed:

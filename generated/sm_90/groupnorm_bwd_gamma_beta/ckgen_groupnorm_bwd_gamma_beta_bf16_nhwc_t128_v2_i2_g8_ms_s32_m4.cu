@@ -18,12 +18,9 @@ CK_DEVICE float ck_h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : 
 CK_DEVICE unsigned short ck_f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 CK_DEVICE float ck_rsqrt(float v) { return rsqrtf(v); }
 CK_DEVICE float ck_bf2f(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
-CK_DEVICE unsigned short ck_f2bf(float f) {
-  unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return (unsigned short)(u >> 16);
-}
+// fp32 -> bf16 rounded to nearest even in one instruction (sm_80+), the same bits as the five-step
+// integer rounding HIP uses, except that a NaN becomes the canonical NaN (0x7fff)
+CK_DEVICE unsigned short ck_f2bf(float f) { unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 // Thread-block clusters (sm_90+): rank, barrier, and loads from another block's shared memory.
 CK_DEVICE unsigned ck_cluster_rank() { unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
 CK_DEVICE void ck_cluster_sync() {

@@ -351,3 +351,11 @@ def test_retime_entries_replaces_only_stale_timed_entries(tmp_path):
     assert prov["retimed_from_us"] == 20.0 and prov["trials"] == 40 and prov["date"] == "2026-01-01T00:00:00+00:00"
     assert prov["retimed"].startswith("20")
     assert got[fresh.problem] == fresh and got[untimed.problem] == untimed and got[other.problem] == other
+    # --other-device: the entry tuned on GPU B is re-timed too; it now names the device that timed
+    # it, keeps the one that tuned it in its provenance and its default time from that device
+    r = subprocess.run([sys.executable, str(tool), "--times", str(times), "--db", str(path), "--other-device"],
+                       capture_output=True, text=True)
+    assert "re-timed 1 entries of 4" in r.stdout, r.stdout + r.stderr
+    moved = {e.problem: e for e in dbmod.InstanceDB.load(path).entries}[other.problem]
+    assert dbmod.entry_verified(moved) and moved.device == "GPU A" and moved.time_us == 12.5
+    assert moved.provenance_dict()["tuned_on"] == "GPU B" and moved.default_time_us == 30.0

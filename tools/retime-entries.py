@@ -60,8 +60,9 @@ def main() -> int:
         prov = {**e.provenance_dict(), "retimed": when, "retimed_from_us": e.time_us}
         if e.device != doc["device"]:
             prov.setdefault("tuned_on", e.device)
-        out.append(dataclasses.replace(e, device=doc["device"], instance=src.name, source_sha256=src.sha256, time_us=round(us, 3),
-                                       gbps=round(gbps(op.min_bytes(p), us), 1), provenance=prov, spread=None))
+        out.append(dataclasses.replace(e, device=doc["device"], instance=src.name, source_sha256=src.sha256,
+                                       time_us=round(us, 3), gbps=round(gbps(op.min_bytes(p), us), 1),
+                                       provenance=prov, spread=None))
         changed += 1
     if failed:
         print("not re-timed (kept stale):\n  " + "\n  ".join(failed), file=sys.stderr)

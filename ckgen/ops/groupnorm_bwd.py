@@ -45,7 +45,7 @@ def bwd_regs_needed(p: GroupNormProblem, config: Config, scheme: str) -> int:
     # as it does) keeps two steps packed; the other streams keep 2 x items x vec fp32 values
     if scheme == "single_pass":
         regs = packed + 40
-    elif p.layout == "nhwc" and (scheme == "pipelined" or (scheme == "fused" and grid_merged(scheme, config["split"]))):
+    elif p.layout == "nhwc" and (scheme == "pipelined" or grid_merged(scheme, config["split"])):
         regs = 2 * packed + 40
     else:
         regs = 2 * items * vec + 40

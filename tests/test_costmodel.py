@@ -44,15 +44,21 @@ def _heldout():
 
 def test_packaged_model_loads_fast_without_a_gpu(model_on):
     assert costmodel.model_path() == costmodel.packaged_model_path()
-    costmodel._loaded.clear()
-    t0 = time.perf_counter()
-    model = costmodel.load()
-    took = time.perf_counter() - t0
+    # The CPU time of this thread, best of 3: what the parse costs, not what other processes on the
+    # machine take from it. CI's 2-core machine once took 1,012 ms of wall time for a load that
+    # costs 30-55 ms of CPU (CI of 6088f12), while the workers and servers of the tests before it
+    # shared the cores.
+    took = []
+    for _ in range(3):
+        costmodel._loaded.clear()
+        wall0, cpu0 = time.perf_counter(), time.thread_time()
+        model = costmodel.load()
+        took.append((time.thread_time() - cpu0, time.perf_counter() - wall0))
     assert isinstance(model, costmodel.CostModel)
-    print(f"\ncost model: {model.summary()}; loaded in {1e3 * took:.1f} ms")
-    # ~2.2 MB of JSON (1,303 recorded problems), most of it the residual table in flat lists: 60-75 ms
-    # on a 2-core machine with another test run beside it
-    assert took < 0.2
+    cpu, wall = min(took)
+    print(f"\ncost model: {model.summary()}; loaded in {1e3 * cpu:.1f} ms of CPU ({1e3 * wall:.1f} ms wall)")
+    # ~2.3 MB of JSON (1,326 recorded problems), most of it the residual table in flat lists
+    assert cpu < 0.2
     # sm_90 records of two devices: the H200's are the GroupNorm grid tunes and sweeps of 2026-11-28
     assert model.stats["devices"] == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
 

@@ -30,7 +30,7 @@ def main() -> int:
     import ckgen
     from ckgen import db as dbmod
     from ckgen import settings
-    from ckgen.bench import Timer, gbps, host_cells
+    from ckgen.bench import Timer, host_cells
     from ckgen.ops import get_op
     from ckgen.target import device_info
     from ckgen.tune import db_entry, tune_problem
@@ -68,33 +68,12 @@ def main() -> int:
         y_ours = ours()[0]
         y_ref = eager()
         err = (y_ours.float() - y_ref.float()).abs().max().item()
-        nbytes = op.min_bytes(p)
-        copy = timer.copy_time(nbytes)
-        t_ours = timer.time(ours)
-        t_eager = timer.time(eager)
-        h_ours = timer.back_to_back(ours, t_ours.median_us)  # host-inclusive: back to back, no flush
-        h_eager = timer.back_to_back(eager, t_eager.median_us)
-        t_comp = h_comp = None
-        if not args.no_compile:
-            try:
-                comp = torch.compile(eager, dynamic=False)
-                comp()
-                t_comp = timer.time(comp)
-                h_comp = timer.back_to_back(comp, t_comp.median_us)
-            except Exception as e:  # noqa: BLE001 - record, don't abort the suite
-                print(f"torch.compile failed for {p.key()}: {e.__class__.__name__}", file=sys.stderr)
+        sb = timer.side_by_side(ours, eager, op.min_bytes(p),
+                                None if args.no_compile else (lambda: torch.compile(eager, dynamic=False)),
+                                lambda e: print(f"torch.compile failed for {p.key()}: {e.__class__.__name__}: {e}",
+                                                file=sys.stderr))
         rows.append({
-            "problem": p.key(), "min_MB": nbytes / 1e6, "copy_us": copy.median_us,
-            "ckgen_us": t_ours.median_us, "ckgen_spread": t_ours.spread, "ckgen_GBps": gbps(nbytes, t_ours.median_us),
-            "ckgen_eff": copy.median_us / t_ours.median_us,
-            "eager_us": t_eager.median_us, "eager_eff": copy.median_us / t_eager.median_us,
-            "compile_us": t_comp.median_us if t_comp else None,
-            "ckgen_host_us": h_ours.median_us, "eager_host_us": h_eager.median_us,
-            "compile_host_us": h_comp.median_us if h_comp else None,
-            "speedup_eager_host": h_eager.median_us / h_ours.median_us,
-            "speedup_compile_host": (h_comp.median_us / h_ours.median_us) if h_comp else None,
-            "speedup_eager": t_eager.median_us / t_ours.median_us,
-            "speedup_compile": (t_comp.median_us / t_ours.median_us) if t_comp else None,
+            "problem": p.key(), **sb.suite_columns(),
             "instance": choice.instance, "source": choice.source, "max_abs_err_vs_torch": err,
         })
         r_ = rows[-1]

@@ -284,20 +284,14 @@ def main() -> int:
         got, want = _first(ours()), _first(eager())
         diff = (got.float() - want.float()).abs().max().item()
         nbytes = op.min_bytes(p)
-        copy = timer.copy_time(nbytes)
-        g_ours, g_eager = timer.time(ours), timer.time(eager)
-        h_ours = timer.back_to_back(ours, g_ours.median_us)
-        h_eager = timer.back_to_back(eager, g_eager.median_us)
-        g_comp = h_comp = None
+        sb = timer.side_by_side(ours, eager, nbytes,
+                                None if args.no_compile else (lambda: torch.compile(graph or eager, dynamic=False)),
+                                lambda e: log(f"torch.compile failed for {op.name} {p.key()}: "
+                                              f"{e.__class__.__name__}: {e}"))
         if not args.no_compile:
-            try:
-                comp = torch.compile(graph or eager, dynamic=False)
-                comp()
-                g_comp = timer.time(comp)
-                h_comp = timer.back_to_back(comp, g_comp.median_us)
-            except Exception as e:  # noqa: BLE001 - recorded as n/a, the run goes on
-                log(f"torch.compile failed for {op.name} {p.key()}: {e.__class__.__name__}: {e}")
             torch._dynamo.reset()  # one compiled graph per problem: no recompile limit, no cache growth
+        copy, g_ours, g_eager, g_comp = sb.copy, sb.ours, sb.eager, sb.comp
+        h_ours, h_eager, h_comp = sb.ours_host, sb.eager_host, sb.comp_host
         rows.append({"op": op.name, "problem": p.key(), "source": choice.source, "instance": choice.instance,
                      "reason": choice.reason, "min_MB": nbytes / 1e6, "copy_us": copy.median_us,
                      "gpu_us": g_ours.median_us, "eager_gpu_us": g_eager.median_us,

@@ -161,6 +161,33 @@ class Timer:
         q = statistics.quantiles(per, n=10) if len(per) >= 2 else [per[0]] * 9
         return Timing(statistics.median(per), q[0], q[-1], rounds)
 
+    def side_by_side(self, ours: Callable[[], object], eager: Callable[[], object], nbytes: int,
+                     compiled: Callable[[], Callable[[], object]] | None = None,
+                     on_compile_error: Callable[[Exception], None] | None = None) -> SideBySide:
+        """One problem as the benchmarks time it, in one run: the copy of its `nbytes` minimum
+        bytes, then ckgen (`ours`) and PyTorch eager, each GPU-only (`time`) and host-inclusive
+        (`back_to_back`), then torch.compile: `compiled()` builds the compiled callable, which is
+        called once (the compile) and timed both ways. A compile or a compiled call that raises
+        goes to `on_compile_error` and leaves the compile columns None (without a handler it
+        propagates); `compiled=None`: not run."""
+        copy = self.copy_time(nbytes)
+        t_ours, t_eager = self.time(ours), self.time(eager)
+        h_ours = self.back_to_back(ours, t_ours.median_us)
+        h_eager = self.back_to_back(eager, t_eager.median_us)
+        t_comp = h_comp = None
+        if compiled is not None:
+            try:
+                comp = compiled()
+                comp()
+                t_comp = self.time(comp)
+                h_comp = self.back_to_back(comp, t_comp.median_us)
+            except Exception as e:  # noqa: BLE001 - the caller records it; the run goes on
+                if on_compile_error is None:
+                    raise
+                t_comp = h_comp = None
+                on_compile_error(e)
+        return SideBySide(nbytes, copy, t_ours, t_eager, t_comp, h_ours, h_eager, h_comp)
+
     def copy_time(self, total_bytes: int) -> Timing:
         """A device-to-device copy moving `total_bytes` (half read, half written)."""
         cp = self._cupy
@@ -169,6 +196,38 @@ class Timer:
         src.fill(1)
         dst = cp.empty(half, dtype=cp.uint8)
         return self.time(lambda: dst.data.copy_from_device_async(src.data, half))
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """`Timer.side_by_side`'s timings of one problem: the copy of its minimum bytes, then ckgen,
+    PyTorch eager and torch.compile (None: not run, or it failed), GPU-only and host-inclusive."""
+    nbytes: int
+    copy: Timing
+    ours: Timing
+    eager: Timing
+    comp: Timing | None
+    ours_host: Timing
+    eager_host: Timing
+    comp_host: Timing | None
+
+    def suite_columns(self) -> dict[str, Any]:
+        """The columns that the suite benchmarks (bench/groupnorm_fwd.py, groupnorm_bwd.py,
+        pooling.py) write for every row: us (GPU and host-inclusive), GB/s, copy-equivalent
+        efficiency (copy time / time), speedups (> 1: ckgen faster); compile ones None if not run."""
+        o, e, c = self.ours.median_us, self.eager.median_us, self.comp.median_us if self.comp else None
+        ho, he = self.ours_host.median_us, self.eager_host.median_us
+        hc = self.comp_host.median_us if self.comp_host else None
+        return {
+            "min_MB": self.nbytes / 1e6, "copy_us": self.copy.median_us,
+            "ckgen_us": o, "ckgen_spread": self.ours.spread, "ckgen_GBps": gbps(self.nbytes, o),
+            "ckgen_eff": self.copy.median_us / o,
+            "eager_us": e, "eager_eff": self.copy.median_us / e,
+            "compile_us": c,
+            "ckgen_host_us": ho, "eager_host_us": he, "compile_host_us": hc,
+            "speedup_eager_host": he / ho, "speedup_compile_host": hc / ho if hc else None,
+            "speedup_eager": e / o, "speedup_compile": c / o if c else None,
+        }
 
 
 def gbps(nbytes: int, us: float) -> float:

@@ -336,14 +336,17 @@ def write_reports(built: list[Built], root: Path) -> None:
 
 
 def drift(root: Path, fresh: Path, archs: list[str] | None = None, ops: list[str] | None = None) -> list[str]:
-    """Files (sources and manifests) that differ between two library folders, under the
-    <arch>/<op>/ folders of these archs and ops (None: all), as `ckgen generate` wrote them."""
+    """Manifests that differ between two library folders, under the <arch>/<op>/ folders of these
+    archs and ops (None: all), as `ckgen generate` wrote them. A manifest names every instance with
+    its config, problems and the sha256 of its rendered source, so comparing manifests compares
+    every render without the sources themselves (which are not kept in git: `ckgen generate`
+    writes them)."""
     def inside(rel: Path) -> bool:
         return ((archs is None or rel.parts[0] in archs)
                 and (ops is None or (len(rel.parts) > 1 and rel.parts[1] in ops)))
 
     def files(base: Path) -> dict[str, bytes]:
         return {str(p.relative_to(base)): p.read_bytes() for p in base.rglob("*")
-                if p.is_file() and p.name != "report.yaml" and inside(p.relative_to(base))}
+                if p.is_file() and p.name == "manifest.yaml" and inside(p.relative_to(base))}
     a, b = files(root), files(fresh)
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))

@@ -1,4 +1,4 @@
-"""The instance library (ckgen generate): planning, manifests, the committed generated/ folder
+"""The instance library (ckgen generate): planning, manifests, the committed generated/ manifests
 kept in sync with templates and shipped DB, and offline builds for CUDA and AMD targets."""
 from __future__ import annotations
 
@@ -92,18 +92,21 @@ def test_plan_uses_winners_where_valid_and_defaults_elsewhere(tmp_path):
     assert all(i.config != clustered for i in defaults)
 
 
-def test_drift_names_changed_missing_and_extra_files(shipped_plan, tmp_path):
+def test_drift_names_changed_missing_and_extra_manifests(shipped_plan, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     library.write(shipped_plan, a)
     shutil.copytree(a, b)
     assert library.drift(a, b) == []
-    victim = next(b.rglob("*.cu"))
-    victim.write_text(victim.read_text() + "// edited\n")
-    (b / "sm_90" / "extra.cu").write_text("x")
-    gone = next(b.rglob("*.hip"))
+    victim = b / "sm_90" / "groupnorm_fwd" / "manifest.yaml"  # one render changed: its sha256 moves
+    sha = next(i.source.sha256 for i in shipped_plan if i.target.arch == "sm_90" and i.op == "groupnorm_fwd")
+    victim.write_text(victim.read_text().replace(sha, "0" * 64, 1))
+    (b / "sm_90" / "extra").mkdir()
+    (b / "sm_90" / "extra" / "manifest.yaml").write_text("x")
+    gone = b / "gfx942" / "maxpool2d_fwd" / "manifest.yaml"
     gone.unlink()
+    next(b.rglob("*.cu")).write_text("// a source is not compared: the manifest carries its sha256\n")
     diff = library.drift(a, b)
-    assert {str(victim.relative_to(b)), "sm_90/extra.cu", str(gone.relative_to(b))} <= set(diff)
+    assert set(diff) == {str(victim.relative_to(b)), "sm_90/extra/manifest.yaml", str(gone.relative_to(b))}
 
 
 def test_cli_generate_and_check(tmp_path, capsys):
@@ -113,7 +116,8 @@ def test_cli_generate_and_check(tmp_path, capsys):
     assert (out / "sm_90" / "groupnorm_fwd" / "manifest.yaml").is_file()
     assert (out / "sm_90" / "groupnorm_fwd" / "report.yaml").is_file()
     assert cli.main(["generate", "--db", packaged, "--target", "sm_90", "--out", str(out), "--check"]) == 0
-    next(out.rglob("*.cu")).write_text("// stale\n")
+    manifest = out / "sm_90" / "maxpool2d_fwd" / "manifest.yaml"
+    manifest.write_text(manifest.read_text().replace("source_sha256: ", "source_sha256: 0", 1))
     capsys.readouterr()
     assert cli.main(["generate", "--db", packaged, "--target", "sm_90", "--out", str(out), "--check"]) == 1
     assert "out of date" in capsys.readouterr().err

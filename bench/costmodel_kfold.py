@@ -5,16 +5,15 @@ candidates (as the dispatcher ranks them). Picked time / the problem's best reco
 
     PYTHONPATH=. python3 bench/costmodel_kfold.py VARIANT [OPS]
 
-VARIANT: legacy (the NHWC input counted as 2 vectors, before 2026-11-25), needed (the spill
-bound `validate` uses), used (`regs_used`: what the compiler allocates, up to the budget; what
-ckgen uses), samefloor (as used, but every launch of a call costs the first launch's floor and no re-read
-term for the max backward's recompute: the model before 2026-11-25), norecompute (the floor
-split without the recompute term), next025 / next05 / next1 (the further launches' floor pinned at
-0.25 / 0.5 / 1 of the first's, instead of fitted on FLOOR_NEXT_GRID), nochain / chainsum /
-chainmax / chainmax2 (GroupNorm's chain term: off (the model before 2026-11-27), log1p(chain /
-roofline), log max(1, chain / roofline) (what ckgen uses), the same at CHAIN_US = 2, the same with
-the term's prior weight 1 instead of 0.5). OPS: comma-separated, or "all".
-Results: bench/results/logs/costmodel-kfold-pool-fwd.txt, costmodel-kfold-2026-11-25.txt."""
+VARIANT: legacy (the NHWC input counted as 2 vectors), needed (the spill bound `validate`
+uses), used (`regs_used`: what the compiler allocates, up to the budget; what ckgen uses),
+samefloor (as used, but every launch of a call costs the first launch's floor and no re-read
+term for the max backward's recompute), norecompute (the floor split without the recompute
+term), next025 / next05 / next1 (the further launches' floor pinned at 0.25 / 0.5 / 1 of the
+first's, instead of fitted on FLOOR_NEXT_GRID), nochain / chainsum / chainmax / chainmax2
+(GroupNorm's chain term: off, log1p(chain / roofline), log max(1, chain / roofline) (what ckgen
+uses), the same at CHAIN_US = 2, the same with the term's prior weight 1 instead of 0.5).
+OPS: comma-separated, or "all". Prints one line per variant and op family."""
 import sys, math, random, collections
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,19 +33,19 @@ def legacy(op,p,c):
 def needed(op,p,c):
     if op.name.startswith('groupnorm'): return orig(op,p,c)
     return max(32, op._regs_needed(p,c))
-if variant=='samefloor':  # every launch of a call costs the same floor (the model before 2026-11-25)
+if variant=='samefloor':  # every launch of a call costs the same floor
     cm.FLOOR_NEXT_GRID=(1.0,); cm.RECOMPUTE_REREAD=False; variant_regs='used'
 elif variant in ('next025','next05','next1'):  # the further launches' floor pinned at this fraction of the first
     cm.FLOOR_NEXT_GRID=({'next025':0.25,'next05':0.5,'next1':1.0}[variant],); variant_regs='used'
 elif variant=='norecompute':  # the floor split, but no re-read term for the max backward's recompute
     cm.RECOMPUTE_REREAD=False; variant_regs='used'
-elif variant in ('nochain','chainsum','chainmax','chainmax2','chainmaxp1'):  # the chain term (2026-11-27): off, log1p, log max(1, .)
+elif variant in ('nochain','chainsum','chainmax','chainmax2','chainmaxp1'):  # the chain term: off, log1p, log max(1, .)
     cm.CHAIN={'nochain':None,'chainsum':'sum','chainmax':'max','chainmax2':'max','chainmaxp1':'max'}[variant]; variant_regs='used'
     if variant=='chainmax2': cm.CHAIN_US=2.0
     if variant=='chainmaxp1': cm.PRIOR[cm.TERM_NAMES.index('chain')]=1.0
 else:
     variant_regs=variant
-# the records predate the NCHW backward's narrower rows (c3f789e) but for the re-timed shipped
+# most records predate the NCHW backward's narrower rows (all but the re-timed shipped
 # winners (one record per problem, since the rebuild after it): score picks against the old rule
 # (the fit itself counts each record's chain with the rule of its date)
 cm.PREDICT_NARROW_ROWS=False

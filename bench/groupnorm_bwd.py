@@ -3,6 +3,8 @@ torch.compile, in one run.
 
     python bench/groupnorm_bwd.py [--tune-trials 30] [--out bench/results]
 
+Writes DIR/<date>-groupnorm-bwd-<device>.md and .json (bench/reports.py names them).
+
 PyTorch eager: NCHW runs aten.native_group_norm_backward (after aten.silu_backward on the saved
 pre-activation for swish), what autograd runs; channels-last, which that op rejects, runs the
 autograd backward of F.group_norm (then F.silu) itself. torch.compile compiles the native
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -111,7 +112,9 @@ def main() -> int:
               f"{choice.instance} diff {errs}", flush=True)
 
     geo = math.exp(sum(math.log(r["speedup_eager"]) for r in rows) / len(rows))
-    dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    from reports import report_stem  # bench/reports.py
+
+    stem = report_stem("groupnorm-bwd", info.name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# groupnorm_bwd on {info.name} ({info.target.arch})", "",
@@ -133,8 +136,9 @@ def main() -> int:
     geo_h = math.exp(sum(math.log(r["speedup_eager_host"]) for r in rows) / len(rows))
     lines += ["", f"Geomean speedup over PyTorch eager: {geo:.2f}x GPU time, {geo_h:.2f}x host-inclusive "
               "(back-to-back calls, no flush: what a model's loop sees)", ""]
-    (out / f"groupnorm_bwd-{dev}.md").write_text("\n".join(lines))
-    (out / f"groupnorm_bwd-{dev}.json").write_text(json.dumps({"device": info.name, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    (out / f"{stem}.json").write_text(json.dumps({"device": info.name, "rows": [{"op": "groupnorm_bwd", **r} for r in rows]},
+                                                 indent=1))
     print("\n".join(lines))
     return 0
 

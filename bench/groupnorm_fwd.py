@@ -2,6 +2,8 @@
 
     python bench/groupnorm_fwd.py [--tune-trials 30] [--out bench/results]
 
+Writes DIR/<date>-groupnorm-fwd-<device>.md and .json (bench/reports.py names them).
+
 Every number is measured in this run: device events, L2 flushed before each run, median.
 Copy-equivalent efficiency = time of a device copy moving the op's minimum bytes / op time."""
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -82,7 +83,9 @@ def main() -> int:
               flush=True)
 
     geo = math.exp(sum(math.log(r["speedup_eager"]) for r in rows) / len(rows))
-    dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    from reports import report_stem  # bench/reports.py
+
+    stem = report_stem("groupnorm-fwd", info.name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# groupnorm_fwd on {info.name} ({info.target.arch})", "",
@@ -101,8 +104,9 @@ def main() -> int:
     geo_h = math.exp(sum(math.log(r["speedup_eager_host"]) for r in rows) / len(rows))
     lines += ["", f"Geomean speedup over PyTorch eager: {geo:.2f}x GPU time, {geo_h:.2f}x host-inclusive "
               "(back-to-back calls, no flush: what a model's loop sees)", ""]
-    (out / f"groupnorm_fwd-{dev}.md").write_text("\n".join(lines))
-    (out / f"groupnorm_fwd-{dev}.json").write_text(json.dumps({"device": info.name, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    (out / f"{stem}.json").write_text(json.dumps({"device": info.name, "rows": [{"op": "groupnorm_fwd", **r} for r in rows]},
+                                                 indent=1))
     print("\n".join(lines))
     return 0
 

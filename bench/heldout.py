@@ -17,14 +17,14 @@ again, so a run cut short by --tune-budget resumes from it); then the public op 
 with that file as the user DB: "own best", the reference the pick is judged against (target:
 pick within 1.15x of own best, geomean; worst 1.5x), timed in the same run by the same Timer.
 
-Writes DIR/heldout-<device>.md and .json (DIR: --out, else $OUT, else bench/results)."""
+Writes DIR/<date>-heldout-<device>.md and .json (DIR: --out, else $OUT, else bench/results; bench/reports.py
+names them)."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -195,7 +195,10 @@ def main() -> int:
     from ckgen.bench import Timer, gbps
     from ckgen.target import device_info
 
+    from reports import report_stem  # bench/reports.py
+
     info = device_info(None)
+    stem = report_stem("heldout", info.name)  # one date for the whole run
     timer = Timer(info.l2_bytes, warmup=3, runs=20)
     cases = load_cases()[: args.limit or None]
     rows, t0 = [], time.monotonic()
@@ -204,7 +207,7 @@ def main() -> int:
         print(f"{msg} ({time.monotonic() - t0:.0f} s)", flush=True)
 
     def report() -> list[str]:
-        """Write DIR/heldout-<device>.md and .json from the rows so far (after every problem, so a
+        """Write DIR/<date>-heldout-<device>.md and .json from the rows so far (after every problem, so a
         run cut short keeps what it measured); the Markdown lines."""
         def geo(vals: list[float]) -> float:
             return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
@@ -215,7 +218,6 @@ def main() -> int:
         slow_comp_gpu = [r for r in comp_rows if r["speedup_compile_gpu"] < 1.0]
         slow_comp_host = [r for r in comp_rows if r["speedup_compile_host"] < 1.0]
         judged = [r for r in rows if "pick_vs_own" in r]
-        dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
 
         def num(v: Any, fmt: str = ".1f", suffix: str = "") -> str:
             return "n/a" if v is None else f"{v:{fmt}}{suffix}"
@@ -272,8 +274,8 @@ def main() -> int:
         lines.append("")
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"heldout-{dev}.md").write_text("\n".join(lines))
-        (out / f"heldout-{dev}.json").write_text(json.dumps({"device": info.name, "tune_trials": args.tune_trials,
+        (out / f"{stem}.md").write_text("\n".join(lines))
+        (out / f"{stem}.json").write_text(json.dumps({"device": info.name, "tune_trials": args.tune_trials,
                                                              "rows": rows}, indent=1))
         return lines
 

@@ -10,15 +10,15 @@ For each of the 8 public ops: host time per call = wall time of `--calls` back-t
     through cupy.cuda.driver (what ckgen's plans call);
   - a CUDA-graph replay of one captured ckgen call (torch.cuda.graph), per replay;
   - the op's GPU time (CUDA events, L2 flushed), to show the GPU is not the limit.
-Writes DIR/host_overhead-<device>.md and .json (DIR: --out, else $OUT, else bench/results).
-Targets (issue 10): <= 12 us per call for the forward ops and the pooling backward ops,
+Writes DIR/<date>-host-overhead-<device>.md and .json (DIR: --out, else $OUT, else bench/results;
+bench/reports.py names them).
+Targets: <= 12 us per call for the forward ops and the pooling backward ops,
 <= 15 us for the GroupNorm backward ops, never more than 1.5x PyTorch eager's host time."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -203,7 +203,9 @@ def main() -> int:
     if args.breakdown:
         breakdown(x, gamma, beta, G, args.calls, sync)
 
-    dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    from reports import report_stem  # bench/reports.py
+
+    stem = report_stem("host-overhead", info.name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     limit = {"groupnorm_bwd": 15.0, "groupnorm_bwd_data": 15.0, "groupnorm_bwd_gamma_beta": 15.0}
@@ -227,8 +229,8 @@ def main() -> int:
                      f"{r['ratio_eager']:.2f} | <= {lim:g} us, <= 1.5x | {'yes' if met else 'NO'} | {g} | "
                      f"{r['gpu_us']:.2f} | {r['eager']} |")
     lines.append("")
-    (out / f"host_overhead-{dev}.md").write_text("\n".join(lines))
-    (out / f"host_overhead-{dev}.json").write_text(json.dumps(
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    (out / f"{stem}.json").write_text(json.dumps(
         {"device": info.name, "floor_rawkernel_us": floor_raw[0], "floor_culaunch_us": floor_drv[0], "rows": rows},
         indent=1))
     print("\n".join(lines))

@@ -33,8 +33,8 @@ full run with compilation takes about 5 minutes on an H100); the rest are listed
 any fallback to PyTorch are listed per row. A numerics check compares the converted model's output
 with the nn model's (eval mode, first batch).
 
-Writes DIR/models-<device>.md, .json and .png (matplotlib, if importable); DIR: --out, else $OUT,
-else bench/results.
+Writes DIR/<date>-models-<device>.md, .json and .png (matplotlib, if importable; bench/reports.py names
+them); DIR: --out, else $OUT, else bench/results.
 """
 from __future__ import annotations
 
@@ -454,7 +454,9 @@ def _fmt(v, spec=".2f", empty="-"):
 
 def write_report(rows: list[Row], args, meta: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    dev = re.sub(r"[^A-Za-z0-9]+", "-", meta["device"]).strip("-")
+    from reports import report_stem  # bench/reports.py
+
+    stem = report_stem("models", meta["device"])
     cols = list(args.columns)
 
     def cell(row, col, key):
@@ -511,11 +513,11 @@ def write_report(rows: list[Row], args, meta: dict, out: Path) -> Path:
         firsts = ", ".join(f"{c} {r.cells[c]['first_s']:.1f}s" for c in cols if "first_s" in r.cells.get(c, {}))
         lines.append(f"- {r.label}: " + "; ".join(r.notes + ([f"first step (compile): {firsts}"] if firsts else [])
                                                    + errs))
-    md = out / f"models-{dev}.md"
+    md = out / f"{stem}.md"
     md.write_text("\n".join(lines) + "\n")
-    (out / f"models-{dev}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     try:
-        plot(rows, cols, out / f"models-{dev}.png", meta)
+        plot(rows, cols, out / f"{stem}.png", meta)
     except Exception as e:  # noqa: BLE001 - matplotlib missing or a plotting problem: the tables stand
         print(f"no plot: {e.__class__.__name__}: {e}", file=sys.stderr)
     return md

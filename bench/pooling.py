@@ -7,14 +7,13 @@ the same pooling params and layout but a batch small enough for a fast float64 c
 does not depend on the shape, and the dispatcher then uses that winner as the nearest tuned
 problem), then time ckgen's public op, PyTorch eager and torch.compile with the same Timer
 (CUDA events, GPU time with L2 flushed before every run (hides host time), median), and a device copy of the op's minimum bytes.
-Writes a markdown table to DIR/pooling-<device>.md (and .json)."""
+Writes a markdown table to DIR/<date>-pooling-<device>.md (and .json; bench/reports.py names them)."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -129,7 +128,9 @@ def main() -> int:
               f"{r_['eager_us']:8.1f} | compile {r_['compile_us'] or float('nan'):8.1f} | err {err:.3g} "
               f"[{choice.source}] ({time.monotonic() - t_start:.0f} s)", flush=True)
 
-    dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
+    from reports import report_stem  # bench/reports.py
+
+    stem = report_stem("pooling", info.name)
     geo = math.exp(sum(math.log(r["speedup_eager"]) for r in rows) / len(rows))
     comp = [r["speedup_compile"] for r in rows if r["speedup_compile"]]
     geo_c = math.exp(sum(math.log(v) for v in comp) / len(comp)) if comp else float("nan")
@@ -145,7 +146,7 @@ def main() -> int:
               + (f"Untuned suite shapes were first tuned with {trials} trials on a proxy batch "
                  f"(<= {PROXY_ELEMS >> 20}M input elements)." if trials else "No tuning in this run.")), "",
              "| op | problem | min MB | copy us | ckgen us | GB/s | eff | eager us | compile us | vs eager | vs compile "
-             "| max err vs torch | instance |",
+             "| host-incl us: ckgen / eager / compile | vs eager, host-incl | vs compile, host-incl | max err vs torch | instance |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cu = f"{r['compile_us']:.1f}" if r["compile_us"] else "n/a"
@@ -159,8 +160,8 @@ def main() -> int:
               f"{geo_h:.2f}x over eager host-inclusive (back-to-back calls, no flush)", ""]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"pooling-{dev}.md").write_text("\n".join(lines))
-    (out / f"pooling-{dev}.json").write_text(json.dumps({"device": info.name, "rows": rows}, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    (out / f"{stem}.json").write_text(json.dumps({"device": info.name, "rows": rows}, indent=1))
     print("\n".join(lines))
     return 0
 

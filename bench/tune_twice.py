@@ -1,11 +1,11 @@
-"""Issue 17's run-to-run check: tune the same problems twice, each run a fresh study (its own
+"""Run-to-run check of the tuner: tune the same problems twice, each run a fresh study (its own
 optuna storage, no DB to warm-start from), then re-time both winners in one run, interleaved
 (`_Objective.retime`: every round times each once, the median over rounds); the two must be
 within 3% of each other. GPU only.
 
     python bench/tune_twice.py OUT_DIR [--trials 40] [--rounds 15]
 
-Writes OUT_DIR/tune-twice-<device>.md and .json. The tuning is `tune.tune_problem`, what
+Writes OUT_DIR/<date>-tune-twice-<device>.md and .json (bench/reports.py names them). The tuning is `tune.tune_problem`, what
 `ckgen tune` runs per problem (search, then the finalists re-timed fresh)."""
 from __future__ import annotations
 
@@ -72,7 +72,9 @@ def main() -> int:
         print(f"  re-timed together over {args.rounds} rounds: {t1:.2f} vs {t2:.2f} us, {100 * off:.1f}% apart "
               f"-> {'ok' if off <= TOLERANCE else 'MISS'}", flush=True)
     ok = sum(r["ok"] for r in rows)
-    dev = info.name.replace(" ", "-")
+    from reports import report_stem  # bench/reports.py
+
+    stem = report_stem("tune-twice", info.name)
     lines = [(f"# Tune twice: {info.name} ({info.target.arch}), {args.trials} trials per run, winners re-timed "
               f"together over {args.rounds} interleaved rounds"), "",
              "| op | problem | run 1 winner | run 2 winner | run 1 us | run 2 us | apart |", "|---|---|---|---|---|---|---|"]
@@ -81,8 +83,8 @@ def main() -> int:
         lines.append(f"| {r['op']} | {r['problem']} | {r['run1']} | {r['run2']}{same} | {r['run1_us']:.2f} | "
                      f"{r['run2_us']:.2f} | {100 * r['off']:.1f}% |")
     lines += ["", f"Within {100 * TOLERANCE:.0f}% of each other: {ok} of {len(rows)}."]
-    (out / f"tune-twice-{dev}.md").write_text("\n".join(lines) + "\n")
-    (out / f"tune-twice-{dev}.json").write_text(json.dumps({"device": info.name, "trials": args.trials,
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"device": info.name, "trials": args.trials,
                                                              "rounds": args.rounds, "rows": rows}, indent=1))
     print("\n".join(lines))
     return 0 if ok == len(rows) else 1

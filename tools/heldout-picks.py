@@ -3,7 +3,7 @@ shipped DB and the cost model in use, 16-byte aligned pointers (fresh torch tens
 With --against a bench/heldout.py JSON, says which picks differ from the ones measured there
 (what a model or `validate` change moves after the last device run).
 
-    PYTHONPATH=. python3 tools/heldout-picks.py [--against bench/results/heldout-NVIDIA-H100-80GB-HBM3.json]
+    PYTHONPATH=. python3 tools/heldout-picks.py [--against bench/results/2026-11-28-heldout-h200.json]
 """
 from __future__ import annotations
 

@@ -45,8 +45,8 @@ elif variant in ('nochain','chainsum','chainmax','chainmax2','chainmaxp1'):  # t
     if variant=='chainmaxp1': cm.PRIOR[cm.TERM_NAMES.index('chain')]=1.0
 else:
     variant_regs=variant
-# most records predate the NCHW backward's narrower rows (all but the re-timed shipped
-# winners (one record per problem, since the rebuild after it): score picks against the old rule
+# most records were timed with the NCHW backward's wide rows (only the re-timed shipped winners,
+# one record per problem, ran the narrow ones): score picks against the wide-row rule
 # (the fit itself counts each record's chain with the rule of its date)
 cm.PREDICT_NARROW_ROWS=False
 cm._regs={'legacy':legacy,'needed':needed,'used':orig}[variant_regs]

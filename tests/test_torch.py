@@ -787,6 +787,34 @@ def test_convert_leaves_relu_maxpool_it_cannot_fuse():
         ct.ReLUMaxPool2d(2, return_indices=True)
 
 
+@pytest.mark.parametrize("which", ["norm", "act", "relu", "pool"])
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward", "full_backward_pre"])
+def test_convert_does_not_fuse_modules_with_hooks(which, hook):
+    """A hook on either module of a pair keeps the pair unfused (a forward hook on the GroupNorm
+    would see the SiLU's output, a pre-hook on the MaxPool2d would run before the ReLU); each
+    module is still replaced on its own, with its hooks, and the report says why."""
+    model = nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 8, 1), nn.ReLU(), nn.MaxPool2d(2))
+    target = model[{"norm": 0, "act": 1, "relu": 3, "pool": 4}[which]]
+    fn = {"forward": lambda m, i, o: None, "forward_pre": lambda m, i: None,
+          "full_backward": lambda m, gi, go: None, "full_backward_pre": lambda m, go: None}[hook]
+    getattr(target, f"register_{hook}_hook")(fn)
+    report = ct.convert(model)
+    left = {e.name: e.reason for e in report.left}
+    if which in ("norm", "act"):
+        assert type(model[0]) is ct.GroupNorm and type(model[1]) is nn.SiLU, str(report)
+        assert "has hooks" in left["0"], str(report)
+        assert type(model[4]) is ct.ReLUMaxPool2d, "the other pair is fused"
+    else:
+        assert type(model[3]) is nn.ReLU and type(model[4]) is ct.MaxPool2d, str(report)
+        assert "has hooks" in left["3"], str(report)
+        assert type(model[0]) is ct.GroupNormSwish, "the other pair is fused"
+    if which in ("norm", "pool"):  # the replaced module keeps the hook
+        new = model[0] if which == "norm" else model[4]
+        hooks = {"forward": new._forward_hooks, "forward_pre": new._forward_pre_hooks,
+                 "full_backward": new._backward_hooks, "full_backward_pre": new._backward_pre_hooks}[hook]
+        assert len(hooks) == 1
+
+
 def test_convert_ops_subset_and_errors():
     model = nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU(), nn.MaxPool2d(2), nn.AvgPool2d(2))
     report = ct.convert(model, ops=["maxpool2d"])

@@ -151,11 +151,11 @@ def attr_uses(cls: type, attr: str) -> Optional[list[Use]]:
         if node is None:
             return None
         parents = _parents(node)
-        for n in ast.walk(node):
-            if _is_self_attr(n, attr):
-                p = parents.get(n)
-                shown = p if isinstance(p, (ast.Call, ast.Subscript, ast.Compare)) else n
-                uses.append(Use(name, _use_kind(n, parents), ast.unparse(shown)[:80], _guards(n, parents)))
+        found = sorted((n for n in ast.walk(node) if _is_self_attr(n, attr)), key=lambda n: (n.lineno, n.col_offset))
+        for n in found:  # in source order
+            p = parents.get(n)
+            shown = p if isinstance(p, (ast.Call, ast.Subscript, ast.Compare)) else n
+            uses.append(Use(name, _use_kind(n, parents), ast.unparse(shown)[:80], _guards(n, parents)))
     return uses
 
 

@@ -243,6 +243,9 @@ def _resnet_block(m: nn.Module, site: "Site") -> None:
 
         site.set_class(_diffusers.resnet_block_2d_class(type(m)),
                        "forward skips the nonlinearity after a fused norm (the time embedding's stays)")
+        site.keep("nonlinearity", "kept for what the fused norms do not cover (the time embedding"
+                                  + (", norm2's scaled and shifted output" if m.time_embedding_norm != "default" else "")
+                                  + ")")
 
 
 def _norm_out_check(m: nn.Module) -> Optional[str]:

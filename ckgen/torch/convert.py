@@ -283,6 +283,12 @@ class Site:
         self._run.no_fuse[id(gn)] = reason
         self._run.report._add(False, _join(self.path, norm), gn, "", f"not fused: {reason}", self.adapter.name)
 
+    def keep(self, attr: str, reason: str) -> None:
+        """Leave the module at `attr` as it is (later rules skip it), with the reason."""
+        m = self._get(attr)
+        self._run.report._add(False, _join(self.path, attr), m, "", reason, self.adapter.name)
+        self._run.done.add(id(m))
+
     def replace(self, attr: str, new: nn.Module, reason: str) -> None:
         """Put `new` at `attr` (or in the module's place: attr="")."""
         old = self._get(attr)
@@ -326,7 +332,8 @@ class Site:
             run.done.add(id(m))
             return
         new = GroupNormAct.from_module(m, fuse_swish=fuse)
-        act = "SiLU fused" if fuse else f"then {type(m.drop).__name__}, {type(m.act).__name__}" + (
+        after = [type(x).__name__ for x in (m.drop, m.act) if type(x) is not nn.Identity]
+        act = "SiLU fused" if fuse else (f"then {', '.join(after)}" if after else "no activation") + (
             f" (not fused: {why})" if why else "")
         self.replace("", new, f"ckgen GroupNorm, {act}; same Parameter objects")
 

@@ -18,13 +18,14 @@ _SCALE_DEPRECATED = ("The `scale` argument is deprecated and will be ignored. Pl
 
 
 class ResnetBlock2D(_DiffusersResnetBlock2D):
-    """diffusers' ResnetBlock2D whose norm1 (and, with time_embedding_norm "default", norm2) may
-    be a ckgen GroupNormSwish: the SiLU then runs inside the GroupNorm kernels and the forward
+    """diffusers' ResnetBlock2D whose norm1 (and, unless time_embedding_norm is "scale_shift",
+    norm2) may be a ckgen GroupNormSwish: the SiLU then runs inside the GroupNorm kernels and the forward
     does not apply `nonlinearity` after it. Everything else is diffusers' forward (as of
     diffusers 0.38-0.42): up/downsampling, the time embedding (through the shared
     `nonlinearity` unless skip_time_act), "default" and "scale_shift" conditioning, dropout,
     conv_shortcut (its input made contiguous in training, as diffusers does) and
-    output_scale_factor. Same attributes, parameters and state_dict as the diffusers block, and
+    output_scale_factor; a norm2 that is not fused (scale_shift, hooks) is followed by
+    `nonlinearity` as in diffusers. Same attributes, parameters and state_dict as the diffusers block, and
     an instance of it."""
 
     def forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -68,6 +69,7 @@ class ResnetBlock2D(_DiffusersResnetBlock2D):
             hidden_states = hidden_states * (1 + time_scale) + time_shift
         else:
             hidden_states = self.norm2(hidden_states)
+            fused2 = isinstance(self.norm2, GroupNormSwish)
 
         if not fused2:
             hidden_states = self.nonlinearity(hidden_states)

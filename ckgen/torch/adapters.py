@@ -217,23 +217,16 @@ DIFFUSERS_RESNET_BLOCK_2D = {"3ceaf447634afaf3": "diffusers 0.38.0-0.42.1", "cd9
                              "d184f8d7b3b15118": "diffusers 0.30.3"}
 
 
-def _resnet_block_check(m: nn.Module) -> Optional[str]:
-    why = fingerprint_check(DIFFUSERS_RESNET_BLOCK_2D)(m)
-    if why:
-        return why
-    if m.time_embedding_norm not in ("default", "scale_shift"):
-        return f"time_embedding_norm={m.time_embedding_norm!r}"
-    return None
-
-
 def _resnet_block(m: nn.Module, site: "Site") -> None:
-    """diffusers' ResnetBlock2D: norm1 -> nonlinearity and (time_embedding_norm "default")
-    norm2 -> nonlinearity run as fused GroupNorm+SiLU modules, and the block's forward becomes
-    ckgen's (`_diffusers.ResnetBlock2D`, the same computation that skips the nonlinearity after a
-    fused norm; the shared nonlinearity still acts on the time embedding). With "scale_shift",
-    norm2's output is scaled and shifted before the SiLU: norm2 stays unfused."""
+    """diffusers' ResnetBlock2D: norm1 -> nonlinearity and norm2 -> nonlinearity run as fused
+    GroupNorm+SiLU modules, and the block's forward becomes ckgen's (`_diffusers.ResnetBlock2D`,
+    the same computation that skips the nonlinearity after a fused norm; the shared nonlinearity
+    still acts on the time embedding). With time_embedding_norm "scale_shift", norm2's output is
+    scaled and shifted before the SiLU: norm2 stays unfused. ("default" adds the time embedding
+    before norm2; any other value, such as the VAE decoder's "group" without a time embedding,
+    takes diffusers' last branch, norm2 then the SiLU.)"""
     fused = [site.fuse_norm_only("norm1", "nonlinearity", "norm1 then the block's nonlinearity")]
-    if m.time_embedding_norm == "default":
+    if m.time_embedding_norm != "scale_shift":
         fused.append(site.fuse_norm_only("norm2", "nonlinearity", "norm2 then the block's nonlinearity"))
     else:
         site.no_fuse("norm2", "time_embedding_norm='scale_shift': norm2's output is scaled and shifted before the "
@@ -244,7 +237,8 @@ def _resnet_block(m: nn.Module, site: "Site") -> None:
         site.set_class(_diffusers.resnet_block_2d_class(type(m)),
                        "forward skips the nonlinearity after a fused norm (the time embedding's stays)")
         site.keep("nonlinearity", "kept for what the fused norms do not cover (the time embedding"
-                                  + (", norm2's scaled and shifted output" if m.time_embedding_norm != "default" else "")
+                                  + (", norm2's scaled and shifted output" if m.time_embedding_norm == "scale_shift"
+                                     else "")
                                   + ")")
 
 
@@ -273,7 +267,7 @@ BUILTIN = (
                              "sgm.modules.diffusionmodules.openaimodel.ResBlock"),
             apply=_ldm_resblock, check=_ldm_resblock_check),
     Adapter("diffusers.ResnetBlock2D", ("diffusers.models.resnet.ResnetBlock2D",),
-            apply=_resnet_block, check=_resnet_block_check),
+            apply=_resnet_block, check=fingerprint_check(DIFFUSERS_RESNET_BLOCK_2D)),
     Adapter("diffusers.conv_norm_out+conv_act", ("diffusers.models.unets.unet_2d_condition.UNet2DConditionModel",
                                                  "diffusers.models.unets.unet_2d.UNet2DModel",
                                                  "diffusers.models.autoencoders.vae.Encoder",

@@ -129,7 +129,7 @@ def test_diffusers_unet(mode):
     assert report.adapters()["diffusers.ResnetBlock2D"] > 0
 
 
-@pytest.mark.parametrize("mode", [None, "default", "reduce-overhead"])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_diffusers_resnet_block(mode):
     _diffusers()
     from diffusers.models.resnet import ResnetBlock2D

@@ -1,13 +1,19 @@
 """Model-level benchmark: ckgen.torch.convert in real models, against PyTorch eager and torch.compile.
 
-    python bench/models.py [--quick] [--budget 270] [--out DIR] [--columns ...] [--rows REGEX] [--tune-trials 0]
+    python bench/models.py [--quick] [--suite models|blocks|all] [--rows NAME,...] [--budget S] [--out DIR]
 
-Rows (bf16): a stack of 4 Stable-Diffusion-style ResBlocks (GroupNorm, SiLU, 3x3 conv, and
-again, plus the residual; GroupNorm + SiLU consecutive in nn.Sequential, as in LDM's ResBlock, so
-convert fuses them) at 2x320x64x64, 8x320x64x64, 2x640x32x32 and a VAE-decoder-like
-1x256x256x256, channels-last and NCHW; ResNet-50 and VGG-16 (torchvision's if importable, else
-local definitions of the same layers), channels-last. Each row is a training step (forward +
-backward of a mean loss) and, for some rows, inference (forward under no_grad).
+Suite "models" (the default; random-init models built from configs, no weights downloaded), bf16,
+channels-last:
+  sd15-unet     diffusers UNet2DConditionModel with Stable Diffusion 1.5's config, batch 4, 64x64
+                latent, 77 text tokens: training step
+  sdxl-blocks   SDXL-size UNet blocks: diffusers DownBlock2D 320->320 (128x128 latent, 1024 px),
+                320->640, 640->1280, 2 ResnetBlock2D each with the time embedding, batch 2: training step
+  vae-decode    diffusers AutoencoderKL (SD's VAE config) decode at 512 and 1024 px: inference
+  vae-encode    its encoder at 512 px: training step
+  resnet50_gn   timm resnet50_gn, batch 32, 224 px: training step and inference
+  resnet26d     timm resnet26d (ResNet-D: AvgPool2d in the shortcuts), batch 64: training step
+Suite "blocks": stacks of 4 SD-style ResBlocks, ResNet-50 and VGG-16 (torchvision's if importable).
+A row whose library (diffusers, timm) is missing is skipped with the reason.
 
 Columns, all in one run on the same weights and inputs:
   eager         the nn model
@@ -18,23 +24,30 @@ Columns, all in one run on the same weights and inputs:
                 the modules' under_compile default)
   ck_compile_ro torch.compile(converted, fullgraph=True, mode="reduce-overhead")
   ck_compile_ckpool  (only when named in --columns) torch.compile(fullgraph=True) of a model
-                converted with max_pool_under_compile="ckgen": the max pools traced as ckgen's ops
-                instead of left to Inductor (the default), to compare the two in one run
+                converted with max_pool_under_compile="ckgen"
+Default columns: eager, ck_eager, compile, ck_compile, ck_compile_ro ("models"; --quick drops
+ck_compile_ro) or all six ("blocks").
 
-Each cell: host-inclusive ms per step (wall clock, synchronized; what a training loop sees:
-after every column of a row has run, its columns are timed again in --interleave rounds of
---min-steps steps each, in rotating order, and the median is reported, so that the host's drift
-over a run does not decide a comparison; the column's own first timing is kept as host_ms_seq) and GPU-only ms per step (the sum of the device kernels' times over
-profiled steps, torch.profiler), and the share of GPU time in GroupNorm / pooling kernels
-(kernel names with "group_norm"/"groupnorm" or "pool": PyTorch's, Triton's fused ones, ckgen's).
-A column that fails records its error and the run goes on. Rows (and within a row the columns,
-most telling first) are run in order until the time budget is spent (default 270 s, so that a
-full run with compilation takes about 5 minutes on an H100); the rest are listed as skipped. ckgen's dispatcher notices (untuned shapes) and
-any fallback to PyTorch are listed per row. A numerics check compares the converted model's output
-with the nn model's (eval mode, first batch).
+Each cell: host-inclusive ms per step (wall clock, synchronized; what a training loop sees) and
+GPU-only ms per step (the sum of the device kernels' times, torch.profiler), both the median of
+--interleave rounds run after every column of a row has compiled and warmed up: each round runs
+--min-steps timed steps and one profiled step of every column, in rotating order, so that the
+host's drift over a run does not decide a comparison (the column's own first timing is kept as
+host_ms_seq); and the share of GPU time in GroupNorm / pooling kernels. A column that fails
+records its error and the run goes on. Rows (and within a row the columns, most telling first)
+run in order until the time budget is spent (default 330 s with --quick, so that a quick run with
+its compilations fits in about 6 minutes on an H200; 1800 s otherwise); the rest are listed as
+skipped. ckgen's dispatcher notices (untuned shapes) and any fallback to PyTorch are listed per row.
 
-Writes DIR/<date>-models-<device>.md, .json and .png (matplotlib, if importable; bench/reports.py names
-them); DIR: --out, else $OUT, else bench/results.
+Numerics: the converted model's output against the nn model's, in eval mode on the row's input.
+The tolerance is the dtype's own noise: both are compared with the nn model run in float32 on the
+same input, and the converted model passes when its relative L2 error against that reference is
+at most 2x the nn model's own (bf16/fp16 rounding is the only intended difference: the fused
+kernels round once where PyTorch rounds after the norm and again after the SiLU) plus 1e-3 (for
+float32 rows, 1e-4).
+
+Writes DIR/<date>-models-<device>.md, .json and .png (matplotlib, if importable; else a message;
+bench/reports.py names them); DIR: --out, else $OUT, else bench/results.
 """
 from __future__ import annotations
 
@@ -54,6 +67,7 @@ from pathlib import Path
 COLUMNS = ("eager", "compile", "compile_ro", "ck_eager", "ck_compile", "ck_compile_ro")
 EXTRA_COLUMNS = ("ck_compile_ckpool",)  # run only when --columns names them
 QUICK_COLUMNS = ("eager", "compile", "ck_eager", "ck_compile")
+MODEL_COLUMNS = ("eager", "ck_eager", "compile", "ck_compile", "ck_compile_ro")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,24 +156,158 @@ def _local_vgg16():
                          nn.Dropout(), nn.Linear(4096, 1000))
 
 
+# ---------------------------------------------------------------------------------------------
+# the "models" suite: diffusers and timm, random init from configs (no download)
+# ---------------------------------------------------------------------------------------------
+# Stable Diffusion 1.5's UNet2DConditionModel config (its unet/config.json).
+SD15_UNET = dict(
+    sample_size=64, in_channels=4, out_channels=4, center_input_sample=False, flip_sin_to_cos=True, freq_shift=0,
+    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    mid_block_type="UNetMidBlock2DCrossAttn",
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    only_cross_attention=False, block_out_channels=(320, 640, 1280, 1280), layers_per_block=2, downsample_padding=1,
+    mid_block_scale_factor=1, act_fn="silu", norm_num_groups=32, norm_eps=1e-5, cross_attention_dim=768,
+    attention_head_dim=8, dual_cross_attention=False, use_linear_projection=False, upcast_attention=False)
+# Stable Diffusion's AutoencoderKL config (its vae/config.json).
+SD_VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, act_fn="silu",
+    norm_num_groups=32, sample_size=512)
+# Tiny versions for --smoke (the same classes, so the same adapters).
+SD15_UNET_TINY = dict(SD15_UNET, block_out_channels=(32, 64, 64, 64), norm_num_groups=8, cross_attention_dim=32,
+                      attention_head_dim=4, layers_per_block=1)
+SD_VAE_TINY = dict(SD_VAE, block_out_channels=(16, 32, 32, 32), norm_num_groups=8, layers_per_block=1)
+
+
+def _wrap(call, **tensors):
+    """An nn.Module whose forward(x) is call(self, x): the model's other inputs (time step, text
+    embedding) are buffers, so that torch.compile, deepcopy and .to() treat them as the model's."""
+    from torch import nn
+
+    class Step(nn.Module):
+        def forward(self, x):
+            return call(self, x)
+
+    m = Step()
+    for k, v in tensors.items():
+        m.register_buffer(k, v, persistent=False)
+    return m
+
+
+def sd15_unet(tiny: bool, batch: int):
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    cfg = SD15_UNET_TINY if tiny else SD15_UNET
+    m = _wrap(lambda self, x: self.unet(x, self.t, encoder_hidden_states=self.text).sample,
+              t=torch.full((batch,), 500, dtype=torch.long),
+              text=torch.randn(batch, 77, cfg["cross_attention_dim"]))
+    m.unet = UNet2DConditionModel(**cfg)
+    return m
+
+
+def sdxl_blocks(tiny: bool, batch: int):
+    """SDXL's UNet resolution/channel stages (320 at 128x128 for 1024 px, 640, 1280), as diffusers'
+    DownBlock2D (2 ResnetBlock2D with the 1280-wide time embedding each); without SDXL's
+    transformer layers, whose attention and matmuls convert does not touch."""
+    import torch
+    from diffusers.models.unets.unet_2d_blocks import DownBlock2D
+    from torch import nn
+
+    c, temb = ((32, 64, 128), 64) if tiny else ((320, 640, 1280), 1280)
+    groups = 8 if tiny else 32
+
+    def call(self, x):
+        for blk in self.blocks:
+            x, _ = blk(x, self.temb)
+        return x
+
+    m = _wrap(call, temb=torch.randn(batch, temb))
+    m.blocks = nn.ModuleList([
+        DownBlock2D(in_channels=c[0], out_channels=c[0], temb_channels=temb, num_layers=2, resnet_groups=groups),
+        DownBlock2D(in_channels=c[0], out_channels=c[1], temb_channels=temb, num_layers=2, resnet_groups=groups),
+        DownBlock2D(in_channels=c[1], out_channels=c[2], temb_channels=temb, num_layers=2, resnet_groups=groups,
+                    add_downsample=False)])
+    return m
+
+
+def vae(tiny: bool, part: str):
+    from diffusers import AutoencoderKL
+
+    m = _wrap((lambda self, z: self.vae.decode(z).sample) if part == "decode" else (lambda self, x: self.vae.encoder(x)))
+    m.vae = AutoencoderKL(**(SD_VAE_TINY if tiny else SD_VAE))
+    if part == "encode":
+        m.vae.decoder = None  # not used: no parameters to hold or to time
+        m.vae.post_quant_conv = None
+    return m
+
+
+def timm_model(name: str, tiny: bool):
+    import timm
+
+    return timm.create_model(name, pretrained=False, **({"layers": (1, 1, 1, 1)} if tiny else {}))
+
+
+MODEL_ROWS = {  # name: (label, library)
+    "sd15-unet": ("SD1.5 UNet", "diffusers"), "sdxl-blocks": ("SDXL-size UNet blocks", "diffusers"),
+    "vae-decode": ("VAE decode", "diffusers"), "vae-encode": ("VAE encoder", "diffusers"),
+    "resnet50_gn": ("timm resnet50_gn", "timm"), "resnet26d": ("timm resnet26d", "timm"),
+}
+
+
 @dataclass
 class Row:
-    name: str  # "resblocks", "resnet50", "vgg16"
+    name: str  # "resblocks", "resnet50", "vgg16", or one of MODEL_ROWS
     shape: tuple  # input (N, C, H, W)
     layout: str  # "nhwc" | "nchw"
     mode: str  # "train" | "infer"
     quick: bool = False
+    tiny: bool = False  # --smoke: the model's tiny configuration
     cells: dict = field(default_factory=dict)  # column -> result dict
     notes: list = field(default_factory=list)
     skipped: str = ""
+    numerics: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        what = "4 ResBlocks" if self.name == "resblocks" else self.name
+        what = "4 ResBlocks" if self.name == "resblocks" else MODEL_ROWS.get(self.name, (self.name,))[0]
+        if self.name in ("vae-decode", "vae-encode"):
+            what += f" {self.shape[2] * (8 if self.name == 'vae-decode' else 1)} px"
         return f"{what} {'x'.join(map(str, self.shape))} {self.layout} {self.mode}"
 
 
-def plan(quick: bool, smoke: bool) -> list[Row]:
+def plan(quick: bool, smoke: bool, suite: str = "models") -> list[Row]:
+    rows: list[Row] = []
+    if suite in ("models", "all"):
+        rows += plan_models(quick, smoke)
+    if suite in ("blocks", "all"):
+        rows += plan_blocks(quick, smoke)
+    return rows
+
+
+def plan_models(quick: bool, smoke: bool) -> list[Row]:
+    if smoke:  # tiny configurations of the same classes (checks the script and the adapters, any device;
+        # NCHW training: torch's CPU backward of channels-last GroupNorm and upsampling crashes)
+        return [Row("sd15-unet", (2, 4, 16, 16), "nchw", "train", True, True),
+                Row("sdxl-blocks", (2, 32, 16, 16), "nchw", "train", True, True),
+                Row("vae-decode", (1, 4, 8, 8), "nhwc", "infer", True, True),
+                Row("vae-encode", (1, 3, 32, 32), "nchw", "train", True, True),
+                Row("resnet50_gn", (2, 3, 32, 32), "nhwc", "infer", True, True),
+                Row("resnet26d", (2, 3, 32, 32), "nchw", "train", True, True)]
+    rows = [  # quick ones first: the budget ends a run in this order
+        Row("sd15-unet", (4, 4, 64, 64), "nhwc", "train", True),
+        Row("resnet26d", (64, 3, 224, 224), "nhwc", "train", True),
+        Row("vae-decode", (1, 4, 64, 64), "nhwc", "infer", True),
+        Row("resnet50_gn", (32, 3, 224, 224), "nhwc", "train", True),
+        Row("sdxl-blocks", (2, 320, 128, 128), "nhwc", "train"),
+        Row("vae-decode", (1, 4, 128, 128), "nhwc", "infer"),
+        Row("vae-encode", (1, 3, 512, 512), "nhwc", "train"),
+        Row("resnet50_gn", (32, 3, 224, 224), "nhwc", "infer"),
+    ]
+    return [r for r in rows if r.quick] if quick else rows
+
+
+def plan_blocks(quick: bool, smoke: bool) -> list[Row]:
     if smoke:  # tiny, for checking the script itself (any device; NCHW training: PyTorch's CPU
         # channels-last GroupNorm backward crashes when the input needs no gradient)
         return [Row("resblocks", (2, 64, 16, 16), "nchw", "train", True),
@@ -191,8 +339,16 @@ def build(row: Row, dtype, device):
         model, src = resblock_stack(row.shape[1]), "local"
     elif row.name == "resnet50":
         model, src = resnet50()
-    else:
+    elif row.name == "vgg16":
         model, src = vgg16()
+    elif row.name == "sd15-unet":
+        model, src = sd15_unet(row.tiny, row.shape[0]), "diffusers"
+    elif row.name == "sdxl-blocks":
+        model, src = sdxl_blocks(row.tiny, row.shape[0]), "diffusers"
+    elif row.name in ("vae-decode", "vae-encode"):
+        model, src = vae(row.tiny, row.name.split("-")[1]), "diffusers"
+    else:
+        model, src = timm_model(row.name, row.tiny), "timm"
     fmt = torch.channels_last if row.layout == "nhwc" else torch.contiguous_format
     model = model.to(device=device, dtype=dtype).to(memory_format=fmt)
     model.train(row.mode == "train")
@@ -217,8 +373,7 @@ def make_step(fn, model, x, mode):
     if mode == "train":
         def step():
             torch.compiler.cudagraph_mark_step_begin()
-            out = fn(x)
-            out = out.logits if hasattr(out, "logits") else out
+            out = _out(fn(x))
             out.float().mean().backward()
             for p in params:
                 p.grad = None
@@ -291,12 +446,15 @@ def measure(step, device, min_steps: int, min_seconds: float, profile_steps: int
             "first_s": first_s}
 
 
-def interleaved_host_ms(steps: dict, device, rounds: int, n: int) -> dict:
+def interleaved_host_ms(steps: dict, device, rounds: int, n: int, gpu: bool = False) -> dict:
     """Host-inclusive ms per step of each column, timed in `rounds` interleaved rounds (each round
     runs n steps of every column, in a rotating order) and reduced by the median: the host's speed
-    drifts over a run, and columns timed minutes apart would compare the drift, not the columns."""
+    drifts over a run, and columns timed minutes apart would compare the drift, not the columns.
+    With gpu=True each round also profiles one step of the column (`gpu_kernel_times`), and the
+    result is {column: (host ms, GPU ms, GroupNorm share, pooling share)}, each a median."""
     cols = list(steps)
     times: dict = {c: [] for c in cols}
+    kern: dict = {c: [] for c in cols}
     for c in cols:  # one step each first: nothing is timed that (re)compiles or reallocates
         steps[c]()
     for r in range(rounds):
@@ -307,7 +465,16 @@ def interleaved_host_ms(steps: dict, device, rounds: int, n: int) -> dict:
                 steps[c]()
             _sync(device)
             times[c].append((time.perf_counter() - t0) * 1e3 / n)
-    return {c: sorted(v)[len(v) // 2] for c, v in times.items()}
+            if gpu:
+                kern[c].append(gpu_kernel_times(steps[c], 1, device))
+
+    def med(v):
+        v = sorted(x for x in v if not math.isnan(x))
+        return v[len(v) // 2] if v else float("nan")
+
+    if not gpu:
+        return {c: med(v) for c, v in times.items()}
+    return {c: (med(times[c]), *(med([k[i] for k in kern[c]]) for i in range(3))) for c in cols}
 
 
 class _Notices(logging.Handler):
@@ -343,16 +510,18 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
         conv_ckpool = copy.deepcopy(base)
         ct.convert(conv_ckpool, max_pool_indices=args.max_pool_indices, max_pool_under_compile="ckgen")
     row.notes.append("convert: " + ", ".join(f"{k} x{v}" for k, v in sorted(report.counts().items())))
-    # numerics: converted vs nn, eval mode, one forward
+    used = report.adapters()
+    if used:
+        row.notes.append("adapters: " + ", ".join(f"{k} x{v}" for k, v in sorted(used.items())))
     try:
-        with torch.no_grad():
-            a, b = copy.deepcopy(base).eval(), copy.deepcopy(conv).eval()
-            ya, yb = a(x).double(), b(x).double()
-            err = ((ya - yb).norm() / ya.norm().clamp_min(1e-30)).item()
-        row.notes.append(f"check: converted vs nn output, relative L2 error {err:.2e}")
-        del a, b, ya, yb
+        row.numerics = numerics(base, conv, x, dtype)
+        n = row.numerics
+        row.notes.append(f"numerics: converted vs nn (float32 reference) relative L2 {n['ck_vs_ref']:.2e} vs "
+                         f"{n['nn_vs_ref']:.2e} (tolerance {n['tolerance']:.2e}): {'pass' if n['ok'] else 'FAIL'}; "
+                         f"converted vs nn {n['ck_vs_nn']:.2e}")
     except Exception as e:  # noqa: BLE001
-        row.notes.append(f"check failed: {e.__class__.__name__}: {e}")
+        row.notes.append(f"numerics check failed: {e.__class__.__name__}: {e}")
+    print(f"  {row.notes[-1]}", flush=True)
     handler = _Notices()
     logging.getLogger("ckgen").addHandler(handler)
     ct.reset_fallbacks()
@@ -370,6 +539,7 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
                 if col in ("eager", "ck_eager"):
                     fn = model
                 else:
+                    print(f"  {col:14s} compiling ...", flush=True)
                     kw = {"backend": args.backend}
                     if col.endswith("_ro"):
                         kw["mode"] = "reduce-overhead"
@@ -394,10 +564,17 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
                                      f"(first step {c['first_s']:.1f} s)" if "host_ms" in c else c.get("error", "")),
                   flush=True)
         if args.interleave and len(live) > 1 and time.perf_counter() < deadline:
-            for col, ms in interleaved_host_ms(live, device, args.interleave, args.min_steps).items():
+            res = interleaved_host_ms(live, device, args.interleave, args.min_steps, gpu=device.type == "cuda")
+            for col, v in res.items():
                 c = row.cells[col]
-                c["host_ms_seq"], c["host_ms"] = c["host_ms"], ms
-            print("  interleaved host ms: " + ", ".join(f"{c} {row.cells[c]['host_ms']:.3f}" for c in live), flush=True)
+                c["host_ms_seq"], c["gpu_ms_seq"] = c["host_ms"], c["gpu_ms"]
+                if isinstance(v, tuple):
+                    c["host_ms"], c["gpu_ms"], c["gn_share"], c["pool_share"] = v
+                else:
+                    c["host_ms"] = v
+                c["rounds"] = args.interleave
+            print("  interleaved medians, host / GPU ms: " + ", ".join(
+                f"{c} {row.cells[c]['host_ms']:.2f} / {row.cells[c]['gpu_ms']:.2f}" for c in live), flush=True)
     finally:
         logging.getLogger("ckgen").removeHandler(handler)
         live.clear()
@@ -410,6 +587,32 @@ def run_row(row: Row, args, device, dtype, deadline: float) -> None:
     fb = ct.fallbacks()
     if fb:
         row.notes.append("fell back to PyTorch: " + "; ".join(f"{op} ({why}) x{n}" for (op, why), n in fb.items()))
+
+
+def _out(y):
+    y = y[0] if isinstance(y, (tuple, list)) else y
+    return getattr(y, "sample", getattr(y, "logits", y))
+
+
+def numerics(base, conv, x, dtype) -> dict:
+    """The converted model against the nn model, both in eval mode on x, measured against the nn
+    model in float32 (the dtype's own noise is the yardstick: see the module docstring)."""
+    import torch
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    with torch.no_grad():
+        a, b = copy.deepcopy(base).eval(), copy.deepcopy(conv).eval()
+        ya, yb = _out(a(x)).double(), _out(b(x)).double()
+        del a, b
+        ref = copy.deepcopy(base).float().eval()
+        yr = _out(ref(x.float())).double()
+        del ref
+    nn_vs_ref, ck_vs_ref, ck_vs_nn = rel(ya, yr), rel(yb, yr), rel(yb, ya)
+    tol = 2 * nn_vs_ref + (1e-4 if dtype == torch.float32 else 1e-3)
+    return {"nn_vs_ref": nn_vs_ref, "ck_vs_ref": ck_vs_ref, "ck_vs_nn": ck_vs_nn, "tolerance": tol,
+            "ok": bool(ck_vs_ref <= tol)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,26 +676,34 @@ def write_report(rows: list[Row], args, meta: dict, out: Path) -> Path:
              "ms per step: host-inclusive (wall clock, synchronized; what a training loop sees) / GPU-only "
              "(sum of device kernel times, torch.profiler). train = forward + backward of a mean loss; infer = "
              "forward under no_grad. ck_* = after `ckgen.torch.convert` (GroupNorm+SiLU and ReLU+MaxPool2d fused). "
-             "Columns: " + ", ".join(cols) + ".", ""]
-    lines += ["## Host-inclusive ms per step", "",
-              "| row | " + " | ".join(cols) + " | ck_eager vs eager | ck_compile vs compile |",
-              "|---|" + "---:|" * (len(cols) + 2)]
-    for r in rows:
-        if r.skipped:
-            continue
-        vals = [_cellv(r, c, "host_ms") for c in cols]
-        lines.append(f"| {r.label} | " + " | ".join(vals) + f" | {_fmt(speed(r, 'ck_eager', 'eager', 'host_ms'))}x"
-                     f" | {_fmt(speed(r, 'ck_compile', 'compile', 'host_ms'))}x |")
-    lines += ["", "## GPU-only ms per step (device kernels)", "",
-              "| row | " + " | ".join(cols) + " | ck_eager vs eager | ck_compile vs compile |",
-              "|---|" + "---:|" * (len(cols) + 2)]
-    for r in rows:
-        if r.skipped:
-            continue
-        vals = [_cellv(r, c, "gpu_ms") for c in cols]
-        lines.append(f"| {r.label} | " + " | ".join(vals) + f" | {_fmt(speed(r, 'ck_eager', 'eager', 'gpu_ms'))}x"
-                     f" | {_fmt(speed(r, 'ck_compile', 'compile', 'gpu_ms'))}x |")
-    lines += ["", "## Share of GPU time in GroupNorm / pooling kernels (before -> after)", "",
+             "Columns: " + ", ".join(cols) + ". Times: medians of interleaved rounds (see bench/models.py). "
+             "A speedup a vs b is b's time / a's: > 1 means the converted column is faster.", ""]
+    # speedups shown: (converted column, what it is compared with), where both ran
+    pairs = [(a, b) for a, b in (("ck_eager", "eager"), ("ck_compile", "compile"), ("ck_compile_ro", "compile_ro"),
+                                 ("ck_compile_ro", "compile"), ("ck_compile", "eager")) if a in cols and b in cols]
+    if ("ck_compile_ro", "compile_ro") in pairs:
+        pairs.remove(("ck_compile_ro", "compile"))
+    for key, title in (("host_ms", "Host-inclusive ms per step"), ("gpu_ms", "GPU-only ms per step (device kernels)")):
+        lines += [f"## {title}", "",
+                  "| row | " + " | ".join(cols) + "".join(f" | {a} vs {b}" for a, b in pairs) + " |",
+                  "|---|" + "---:|" * (len(cols) + len(pairs))]
+        for r in rows:
+            if r.skipped:
+                continue
+            vals = [_cellv(r, c, key) for c in cols]
+            lines.append(f"| {r.label} | " + " | ".join(vals)
+                         + "".join(f" | {_fmt(speed(r, a, b, key))}x" for a, b in pairs) + " |")
+        lines.append("")
+    if any(r.numerics for r in rows):
+        lines += ["## Numerics (eval mode, the row's input; relative L2 error against the nn model in float32)", "",
+                  "| row | nn (dtype) | converted | tolerance | converted vs nn | |", "|---|---:|---:|---:|---:|---|"]
+        for r in rows:
+            n = r.numerics
+            if n:
+                lines.append(f"| {r.label} | {n['nn_vs_ref']:.2e} | {n['ck_vs_ref']:.2e} | {n['tolerance']:.2e} | "
+                             f"{n['ck_vs_nn']:.2e} | {'pass' if n['ok'] else 'FAIL'} |")
+        lines.append("")
+    lines += ["## Share of GPU time in GroupNorm / pooling kernels (before -> after)", "",
               "| row | " + " | ".join(f"{c} GN / pool" for c in cols) + " |", "|---|" + "---:|" * len(cols)]
     for r in rows:
         if r.skipped:
@@ -518,7 +729,9 @@ def write_report(rows: list[Row], args, meta: dict, out: Path) -> Path:
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     try:
         plot(rows, cols, out / f"{stem}.png", meta)
-    except Exception as e:  # noqa: BLE001 - matplotlib missing or a plotting problem: the tables stand
+    except ImportError:
+        print("no plot: matplotlib is not installed (the tables stand)", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - a plotting problem: the tables stand
         print(f"no plot: {e.__class__.__name__}: {e}", file=sys.stderr)
     return md
 
@@ -552,12 +765,24 @@ def plot(rows: list[Row], cols: list[str], path: Path, meta: dict) -> None:
     plt.close(fig)
 
 
+def row_selected(row: Row, spec: str) -> bool:
+    """--rows: comma-separated items, each a row name (exactly) or a regular expression searched in
+    the row's label."""
+    items = [i.strip() for i in spec.split(",") if i.strip()]
+    names = {r.name for r in plan(False, False, "all")}
+    return any(row.name == i if i in names else re.search(i, row.label) is not None for i in items)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 training rows, 4 columns, 2 minutes' budget")
+    ap.add_argument("--quick", action="store_true",
+                    help="the quick rows, eager/ck_eager/compile/ck_compile, few rounds, a 330 s budget (about 6 "
+                         "minutes with compilation on an H200)")
+    ap.add_argument("--suite", default="models", choices=["models", "blocks", "all"],
+                    help="models: diffusers and timm models (default); blocks: ResBlock stacks, ResNet-50, VGG-16")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on any device (checks the script)")
     ap.add_argument("--budget", type=float, default=None,
-                    help="seconds; columns and rows after it are skipped (default 270; --quick 120)")
+                    help="seconds; columns and rows after it are skipped (default 1800; --quick 330)")
     ap.add_argument("--columns", default=None, help=f"comma-separated, of {','.join(COLUMNS + EXTRA_COLUMNS)}")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="cuda")
@@ -571,17 +796,22 @@ def main() -> int:
                     help="rounds of interleaved host timing over a row's columns (0: each column's own run only)")
     ap.add_argument("--tune-trials", type=int, default=0, help="tune untuned GroupNorm problems of the rows first")
     ap.add_argument("--rows", default=None,
-                    help="a regular expression: only the rows whose label matches it (e.g. 'nhwc train')")
+                    help="comma-separated row names (sd15-unet, sdxl-blocks, vae-decode, vae-encode, resnet50_gn, "
+                         "resnet26d, resblocks, resnet50, vgg16) or regular expressions matched against the labels "
+                         "(e.g. 'nhwc train')")
     ap.add_argument("--out", default=None)
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
-    args.columns = tuple(args.columns.split(",")) if args.columns else (QUICK_COLUMNS if args.quick else COLUMNS)
+    default_cols = MODEL_COLUMNS if args.suite == "models" else COLUMNS
+    args.columns = tuple(args.columns.split(",")) if args.columns else (
+        tuple(c for c in default_cols if c in QUICK_COLUMNS) if args.quick else default_cols)
     bad = [c for c in args.columns if c not in COLUMNS + EXTRA_COLUMNS]
     if bad:
         ap.error(f"--columns: unknown {bad}")
-    budget = args.budget if args.budget is not None else (120.0 if args.quick else 270.0)
-    if args.quick:
+    budget = args.budget if args.budget is not None else (330.0 if args.quick else 1800.0)
+    if args.quick:  # few steps and rounds: the compilations take most of the budget
         args.min_steps, args.min_seconds = min(args.min_steps, 5), min(args.min_seconds, 0.25)
+        args.warmup, args.profile_steps, args.interleave = min(args.warmup, 2), 1, min(args.interleave, 3)
 
     try:
         import torch
@@ -602,14 +832,16 @@ def main() -> int:
     meta = {"device": name, "torch": torch.__version__, "ckgen": ckgen.__version__, "dtype": args.dtype,
             "date": time.strftime("%Y-%m-%d"), "command": "python bench/models.py " + " ".join(sys.argv[1:]),
             "columns": list(args.columns), "budget_s": budget}
-    rows = plan(args.quick, args.smoke)
+    rows = plan(args.quick, args.smoke, args.suite)
     if args.rows:
-        try:
-            rows = [r for r in rows if re.search(args.rows, r.label)]
+        try:  # named rows are picked from both suites
+            rows = [r for r in plan(args.quick, args.smoke, "all") if row_selected(r, args.rows)]
         except re.error as e:
-            ap.error(f"--rows: not a regular expression: {e}")
+            ap.error(f"--rows: not a row name nor a regular expression: {e}")
         if not rows:
-            ap.error(f"--rows: {args.rows!r} matches no row; rows: {', '.join(r.label for r in plan(args.quick, args.smoke))}")
+            ap.error(f"--rows: {args.rows!r} matches no row; rows: "
+                     f"{', '.join(r.label for r in plan(args.quick, args.smoke, 'all'))}")
+    print(f"bench/models.py: {len(rows)} row(s), columns {', '.join(args.columns)}, budget {budget:.0f} s", flush=True)
     if args.tune_trials > 0 and device.type == "cuda":
         tune_rows(rows, args.tune_trials, device, args.dtype)
     t0 = time.perf_counter()
@@ -619,6 +851,14 @@ def main() -> int:
             row.skipped = f"time budget of {budget:.0f} s spent"
             continue
         print(f"{row.label} ({spent:.0f} s so far)", flush=True)
+        lib = MODEL_ROWS.get(row.name, ("", ""))[1]
+        if lib:
+            try:
+                __import__(lib)
+            except Exception as e:  # noqa: BLE001 - the library is missing or broken: the row is skipped
+                row.skipped = f"{lib} is not importable ({e.__class__.__name__}: {e}); pip install 'ckgen[models]'"
+                print(f"  skipped: {row.skipped}", flush=True)
+                continue
         try:
             run_row(row, args, device, dtype, t0 + budget)
         except Exception as e:  # noqa: BLE001 - a row that cannot even be built: recorded, next row

@@ -185,7 +185,6 @@ def test_fake_tensor_mode_shape_inference():
 
 
 @pytest.mark.parametrize("call,exc,word", [
-    (lambda x: torch.ops.ckgen.groupnorm_fwd(x[:, :, ::2], None, None, 4), ValueError, "x"),
     (lambda x: torch.ops.ckgen.groupnorm_fwd(x, None, None, 3), ValueError, "groups"),
     (lambda x: torch.ops.ckgen.groupnorm_fwd(x, None, None, 4, 1e-5, "relu"), ValueError, "activation"),
     (lambda x: torch.ops.ckgen.maxpool2d_fwd(x, [2, 2], [2, 2], [2, 2], [1, 1], False), ValueError, "padding"),
@@ -196,6 +195,100 @@ def test_fake_kernels_reject_what_ckgen_rejects(call, exc, word):
     with pytest.raises(exc) as ei:
         call(x)
     assert str(ei.value).startswith(word + ":"), str(ei.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# any strides: the ops copy what is neither NCHW-contiguous nor channels-last (fake and real alike)
+# ---------------------------------------------------------------------------------------------
+def _strided_inputs():
+    """(name, x) of 4-D tensors that are neither NCHW-contiguous nor channels-last."""
+    g = torch.Generator().manual_seed(3)
+    cl = torch.randn(2, 8, 14, 14, generator=g).contiguous(memory_format=CL)
+    nchw = torch.randn(2, 8, 12, 10, generator=g)
+    return [
+        ("7x7 crop of a 14x14 channels-last buffer", cl[:, :, :7, :7]),  # strides (1568, 1, 112, 8)
+        ("every other row and column (channels-last)", cl[:, :, ::2, ::2]),
+        ("channel slice of NCHW", nchw[:, 2:6]),
+        ("W slice of NCHW", nchw[..., 1:8]),
+        ("transposed H and W", nchw.transpose(2, 3)),
+        ("expanded over N", nchw[:1].expand(3, -1, -1, -1)),
+        ("expanded over H", torch.randn(2, 8, 1, 10, generator=g).expand(-1, -1, 6, -1)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_ops_take_any_strides(case):
+    """Every op on a strided x (and a strided dy, strided indices and strided vectors) returns
+    what it returns on the dense copy, in the layout the fake kernel predicts."""
+    what, x = _strided_inputs()[case]
+    assert not (x.is_contiguous() or x.is_contiguous(memory_format=CL)), what
+    fmt = O.layout_for(x)
+    dense = x.contiguous(memory_format=fmt)
+    torch.manual_seed(0)
+    calls = _sample_calls(x)
+    torch.manual_seed(0)  # the same gamma, beta and dy for the dense copy
+    for (name, args), (_, dargs) in zip(calls, _sample_calls(dense)):
+        op = getattr(torch.ops.ckgen, name)
+        # strided companions: dy as a transposed copy, gamma/beta/mean/rstd as strided views
+        args = [_restride(a, i, name) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        got, want = op(*args), op(*dargs)
+        fake = op(*[_meta(a) if isinstance(a, torch.Tensor) else a for a in args])
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        fake = fake if isinstance(fake, tuple) else (fake,)
+        for gt, wt, ft in zip(got, want, fake):
+            torch.testing.assert_close(gt, wt, msg=f"{what}: {name}")
+            _same_meta(gt, ft)
+            if gt.shape == x.shape:
+                assert gt.is_contiguous(memory_format=fmt), (what, name, gt.stride())
+
+
+def _restride(t, i, name):
+    """t with the same values and other strides: a backward op's dy (argument 0) as a transposed
+    copy's transposed view, vectors (gamma, beta, mean, rstd) as stride-2 views; x unchanged."""
+    if t.dim() == 4 and i == 0 and "bwd" in name and t.shape[2] > 1:
+        return t.transpose(2, 3).contiguous().transpose(2, 3)  # neither layout when H, W > 1 and differ
+    if t.dim() in (1, 2) and t.numel() > 1:
+        return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+    return t
+
+
+def test_strided_opcheck_and_gradients():
+    """opcheck (fake vs real strides, autograd registration) on a crop of a channels-last buffer, and
+    gradients through the ops equal those of the dense copy."""
+    base = _x((2, 8, 14, 14), layout="nhwc")
+    x = base[:, :, :7, :7]
+    for name, args in _sample_calls(x):
+        res = torch.library.opcheck(getattr(torch.ops.ckgen, name).default, args)
+        assert all(v == "SUCCESS" for v in res.values()), (name, res)
+    xs = base.detach().clone()[:, :, :7, :7].requires_grad_(True)
+    xd = xs.detach().contiguous(memory_format=CL).requires_grad_(True)
+    g = torch.randn(8, requires_grad=True)
+    for t in (xs, xd):
+        y = torch.ops.ckgen.groupnorm_fwd(t, g, None, 4, 1e-5, "swish")[0]
+        y = torch.ops.ckgen.maxpool2d_fwd(y, [2, 2], [2, 2], [0, 0], [1, 1], True)
+        torch.ops.ckgen.avgpool2d_fwd(y, [2, 2], [1, 1], [0, 0], False, True, None).square().sum().backward()
+    torch.testing.assert_close(xs.grad, xd.grad)
+
+
+@pytest.mark.parametrize("view", ["crop", "transpose", "expand"])
+def test_compile_inductor_passes_views_to_the_ops(view, route_cpu):
+    """torch.compile (Inductor, CPU) of code that feeds the ops a view: compiles, runs and matches eager."""
+    torch._dynamo.reset()
+
+    def f(base, g):
+        x = {"crop": lambda: base[:, :, :7, :7], "transpose": lambda: base.transpose(2, 3),
+             "expand": lambda: base[:1].expand(2, -1, -1, -1)}[view]()
+        y = torch.ops.ckgen.groupnorm_fwd(x, g, None, 4, 1e-5, "swish")[0]
+        y = torch.ops.ckgen.avgpool2d_fwd(y, [2, 2], [2, 2], [0, 0], True, False, None)
+        return torch.ops.ckgen.maxpool2d_fwd(y, [2, 2], [1, 1], [0, 0], [1, 1], False)
+
+    base = _x((2, 8, 14, 14), layout="nhwc").requires_grad_(True)
+    g = torch.randn(8, requires_grad=True)
+    out = torch.compile(f, fullgraph=True, backend="inductor")(base, g)
+    ref = f(base.detach().requires_grad_(True), g.detach().requires_grad_(True))
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    assert base.grad is not None and g.grad is not None and base.grad.abs().sum() > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,6 +785,34 @@ def test_convert_leaves_relu_maxpool_it_cannot_fuse():
     assert type(only_pool[0]) is nn.ReLU and type(only_pool[1]) is ct.MaxPool2d, "no fusion without 'relu_maxpool2d'"
     with pytest.raises(ValueError, match="return_indices"):
         ct.ReLUMaxPool2d(2, return_indices=True)
+
+
+@pytest.mark.parametrize("which", ["norm", "act", "relu", "pool"])
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward", "full_backward_pre"])
+def test_convert_does_not_fuse_modules_with_hooks(which, hook):
+    """A hook on either module of a pair keeps the pair unfused (a forward hook on the GroupNorm
+    would see the SiLU's output, a pre-hook on the MaxPool2d would run before the ReLU); each
+    module is still replaced on its own, with its hooks, and the report says why."""
+    model = nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 8, 1), nn.ReLU(), nn.MaxPool2d(2))
+    target = model[{"norm": 0, "act": 1, "relu": 3, "pool": 4}[which]]
+    fn = {"forward": lambda m, i, o: None, "forward_pre": lambda m, i: None,
+          "full_backward": lambda m, gi, go: None, "full_backward_pre": lambda m, go: None}[hook]
+    getattr(target, f"register_{hook}_hook")(fn)
+    report = ct.convert(model)
+    left = {e.name: e.reason for e in report.left}
+    if which in ("norm", "act"):
+        assert type(model[0]) is ct.GroupNorm and type(model[1]) is nn.SiLU, str(report)
+        assert "has hooks" in left["0"], str(report)
+        assert type(model[4]) is ct.ReLUMaxPool2d, "the other pair is fused"
+    else:
+        assert type(model[3]) is nn.ReLU and type(model[4]) is ct.MaxPool2d, str(report)
+        assert "has hooks" in left["3"], str(report)
+        assert type(model[0]) is ct.GroupNormSwish, "the other pair is fused"
+    if which in ("norm", "pool"):  # the replaced module keeps the hook
+        new = model[0] if which == "norm" else model[4]
+        hooks = {"forward": new._forward_hooks, "forward_pre": new._forward_pre_hooks,
+                 "full_backward": new._backward_hooks, "full_backward_pre": new._backward_pre_hooks}[hook]
+        assert len(hooks) == 1
 
 
 def test_convert_ops_subset_and_errors():

@@ -2,7 +2,8 @@
 
     import ckgen.torch as ct
 
-    report = ct.convert(model)            # nn.GroupNorm (+ SiLU), (nn.ReLU +) nn.MaxPool2d, nn.AvgPool2d -> ckgen
+    report = ct.convert(model)            # nn.GroupNorm (+ SiLU), (nn.ReLU +) nn.MaxPool2d, nn.AvgPool2d -> ckgen,
+                                          # and timm / diffusers / LDM blocks through adapters
     print(report)
     model = torch.compile(model)          # the ops trace (fullgraph=True) and run in CUDA graphs
 
@@ -22,12 +23,14 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without torch
     raise ImportError("ckgen.torch needs PyTorch: pip install 'ckgen[torch]'") from e
 
-from . import functional, ops
-from .convert import OPS, ConvertReport, Entry, FusePattern, convert
+from . import adapters, functional, ops
+from .adapters import Adapter, register_adapter, registered_adapters, unregister_adapter
+from .convert import OPS, ConvertReport, Entry, FusePattern, Site, convert
 from .functional import avg_pool2d, group_norm, max_pool2d
-from .modules import AvgPool2d, GroupNorm, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
+from .modules import AvgPool2d, GroupNorm, GroupNormAct, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
 from .ops import DoubleBackwardError, fallbacks, reset_fallbacks
 
-__all__ = ["OPS", "AvgPool2d", "ConvertReport", "DoubleBackwardError", "Entry", "FusePattern", "GroupNorm",
-           "GroupNormSwish", "MaxPool2d", "avg_pool2d", "convert", "fallbacks", "functional", "group_norm",
-           "max_pool2d", "ops", "ReLUMaxPool2d", "reset_fallbacks"]
+__all__ = ["OPS", "Adapter", "AvgPool2d", "ConvertReport", "DoubleBackwardError", "Entry", "FusePattern",
+           "GroupNorm", "GroupNormAct", "GroupNormSwish", "MaxPool2d", "Site", "adapters", "avg_pool2d", "convert",
+           "fallbacks", "functional", "group_norm", "max_pool2d", "ops", "ReLUMaxPool2d", "register_adapter",
+           "registered_adapters", "reset_fallbacks", "unregister_adapter"]

@@ -139,7 +139,13 @@ def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias
 
     weight/bias of another dtype than x (fp32 parameters with a bf16 input, as under autocast)
     are cast to x's dtype, and the output has x's dtype; the kernels compute the statistics in
-    float32 either way. (nn.GroupNorm under autocast computes and returns float32.)"""
+    float32 either way. (nn.GroupNorm under autocast computes and returns float32.)
+
+    A 3-D (N, C, L) input runs as its 4-D (N, C, L, 1) view (the same groups and statistics):
+    attention blocks normalize their (N, C, H*W) tokens so (diffusers' Attention.group_norm on
+    hidden_states.transpose(1, 2), a channels-last view)."""
+    if x.dim() == 3:
+        return group_norm(x.unsqueeze(-1), num_groups, weight, bias, eps, activation).squeeze(-1)
     call = _gn_call(x, num_groups, weight, bias, activation)
     if call.why is not None:
         _fallback("group_norm" if activation in (None, "none") else "group_norm+silu", call.why)

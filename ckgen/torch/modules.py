@@ -58,6 +58,47 @@ class GroupNormSwish(GroupNorm):
         return super().extra_repr() + ", activation=swish"
 
 
+class GroupNormAct(GroupNorm):
+    """GroupNorm, then `drop`, then `act` (modules): timm's GroupNormAct / GroupNorm1Act with
+    ckgen's GroupNorm. With an nn.SiLU act and no drop (nn.Identity), the SiLU runs inside the
+    GroupNorm kernels (`activation="swish"`) and `act` is an nn.Identity; any other act (ReLU,
+    GELU, ...) or drop runs as its own module after ckgen's GroupNorm. The attribute names
+    (weight, bias, drop, act) are timm's, so the state_dict keys do not change."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 drop: Optional[nn.Module] = None, act: Optional[nn.Module] = None, fuse_swish: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__(num_groups, num_channels, eps, affine, device=device, dtype=dtype)
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act if act is not None else nn.Identity()
+        if fuse_swish:
+            if type(self.act) not in (nn.SiLU, nn.Identity) or type(self.drop) is not nn.Identity:
+                raise ValueError("fuse_swish: needs an nn.SiLU act and no drop (nn.Identity)")
+            self.activation = "swish"
+            self.act = nn.Identity()
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        return self.act(self.drop(super().forward(input)))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", activation=swish" if self.activation == "swish" else "")
+
+    @classmethod
+    def from_module(cls, m: nn.GroupNorm, fuse_swish: bool = False) -> "GroupNormAct":
+        """From a module with nn.GroupNorm's attributes and `drop` and `act` submodules (timm's
+        GroupNormAct): the same Parameter objects, drop and act modules (act an nn.Identity when
+        fused), mode and hooks."""
+        with torch.device("meta"):
+            new = cls(m.num_groups, m.num_channels, m.eps, m.affine)
+        new.weight, new.bias = m.weight, m.bias
+        new.drop, new.act = m.drop, m.act
+        if fuse_swish:
+            if type(m.act) is not nn.SiLU or type(m.drop) is not nn.Identity:
+                raise ValueError("fuse_swish: needs an nn.SiLU act and no drop (nn.Identity)")
+            new.activation, new.act = "swish", nn.Identity()
+        return _carry_over(m, new)
+
+
 class MaxPool2d(nn.MaxPool2d):
     """nn.MaxPool2d with ckgen. `indices` ("stored" or "recompute") chooses what the backward
     uses when the input needs a gradient: int64 indices written by the forward (PyTorch's way,
@@ -129,4 +170,4 @@ class AvgPool2d(nn.AvgPool2d):
         return _carry_over(m, new)
 
 
-__all__ = ["AvgPool2d", "GroupNorm", "GroupNormSwish", "MaxPool2d", "ReLUMaxPool2d"]
+__all__ = ["AvgPool2d", "GroupNorm", "GroupNormAct", "GroupNormSwish", "MaxPool2d", "ReLUMaxPool2d"]

@@ -30,6 +30,14 @@ Kernels:
   shaped like x are torch.empty_like(x) (x's strides), the others take x's layout
   (NCHW-contiguous, else channels-last); float32 (N, G) mean/rstd, int64 indices.
 
+Strides: every op takes 4-D tensors of any strides (slices, crops, expands, transposed views).
+x runs as it is when it is NCHW-contiguous or channels-last, else as a copy in the nearer of the
+two (`dense`), which the outputs then have; dy and indices are brought to x's layout, the
+vectors made contiguous. The real and fake kernels do the same, so torch.compile's graphs agree
+with the run. The ops carry the `needs_exact_strides` tag (where torch has it), so Inductor
+hands them the traced strides (those of eager) rather than a layout of its choosing, and the
+copy happens only for what eager code would pass strided too.
+
 Autograd (`register_autograd`): groupnorm_fwd saves x, gamma, mean and rstd (and beta with
 swish: the backward kernels recompute the swish input from them); max pooling saves x, plus the
 indices for `maxpool2d_fwd_with_indices` (else the backward recomputes the argmax from x); avg
@@ -62,6 +70,12 @@ _LIB = torch.library.Library(NAMESPACE, "DEF")
 
 
 KERNEL = "kernel"  # the overload that traced graphs call (see _Op)
+# needs_exact_strides: Inductor passes the ops tensors with the strides the traced graph had
+# (channels-last activations stay channels-last) instead of a layout of its own choosing, which
+# the op would have to copy (`dense`). Explicit, not left to the config default
+# (torch._functorch.config.custom_op_default_layout_constraint), which a user may change.
+_TAGS = tuple(t for t in (torch.Tag.pt2_compliant_tag, getattr(torch.Tag, "needs_exact_strides", None))
+              if t is not None)
 
 
 class _Op:
@@ -87,7 +101,7 @@ class _Op:
         ns, name = qualname.split("::")
         assert ns == NAMESPACE, qualname
         self._name, self._short, self._cuda = qualname, name, fn
-        schema, tags = torch.library.infer_schema(fn, mutates_args=()), (torch.Tag.pt2_compliant_tag,)
+        schema, tags = torch.library.infer_schema(fn, mutates_args=()), _TAGS
         self._overloads = (name, f"{name}.{KERNEL}")
         for overload in self._overloads:
             _LIB.define(overload + schema, tags=tags)
@@ -196,6 +210,58 @@ def memory_format_of(x: Tensor, arg: str = "x") -> torch.memory_format:
         return torch.channels_last if x.stride(1) == 1 and x.stride(3) != 1 else torch.contiguous_format
     raise ValueError(f"{arg}: strides {tuple(x.stride())} are neither NCHW-contiguous nor channels-last; "
                      f"call .contiguous() or .contiguous(memory_format=torch.channels_last)")
+
+
+def _symbolic(x: Tensor) -> bool:
+    return not all(isinstance(s, int) for s in x.stride())
+
+
+def dense(x: Tensor, arg: str = "x") -> Tensor:
+    """x itself when it is NCHW-contiguous or channels-last, else a copy in the nearer of the two
+    (channels-last when C's stride is below W's, as in a crop or a strided slice of a
+    channels-last buffer; NCHW otherwise: expands, transposed views, slices of NCHW buffers).
+
+    Every op runs its tensors through this (or `like`) first, in the real kernels and the fake
+    ones alike, so that any strided input works and the fake outputs' strides are the real
+    ones': torch.compile's Inductor hands a custom op tensors of the strides it chooses (the
+    ops ask for the traced strides with the needs_exact_strides tag, but a graph can still
+    hold a view), and a user may call `torch.ops.ckgen.<op>` on a slice."""
+    if x.dim() != 4:
+        raise ValueError(f"{arg}: expected a 4-D (N, C, H, W) tensor, got shape {tuple(x.shape)}")
+    if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last) or _symbolic(x):
+        return x  # symbolic strides: memory_format_of's reading stands (the real tensor has those strides)
+    return x.contiguous(memory_format=_nearest_format(x))
+
+
+def _nearest_format(x: Tensor) -> torch.memory_format:
+    cl = x.shape[1] > 1 and (x.shape[3] == 1 or x.stride(1) < x.stride(3))
+    return torch.channels_last if cl else torch.contiguous_format
+
+
+def like(t: Tensor, x: Tensor) -> Tensor:
+    """t (a gradient or indices shaped like x or like the pooled output) in x's layout; x dense."""
+    fmt = memory_format_of(x)
+    return t if t.is_contiguous(memory_format=fmt) else t.contiguous(memory_format=fmt)
+
+
+def _vec(t: Optional[Tensor]) -> Optional[Tensor]:
+    """gamma, beta, mean or rstd as ckgen reads them: contiguous (an expanded or strided vector is copied)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _unread_x(x: Tensor) -> Tensor:
+    """avg pooling's backward reads only x's shape, dtype, device and layout: a strided x is not
+    copied, an empty tensor of dense(x)'s layout stands in for it."""
+    if x.dim() == 4 and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last) or _symbolic(x)):
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=layout_for(x))
+
+
+def layout_for(x: Tensor) -> torch.memory_format:
+    """The memory format `dense(x)` has (no copy made)."""
+    if x.dim() != 4 or x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last) or _symbolic(x):
+        return memory_format_of(x)
+    return _nearest_format(x)
 
 
 def _layout(x: Tensor) -> str:
@@ -331,7 +397,7 @@ def _acc(x: Tensor) -> torch.dtype:
 
 def ref_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float,
                       activation: str) -> tuple[Tensor, Tensor, Tensor]:
-    memory_format_of(x)
+    x = dense(x)
     N, C, H, W = x.shape
     acc = _acc(x)
     xf = x.to(acc).reshape(N, groups, -1)
@@ -348,7 +414,7 @@ def ref_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor]
 
 
 def _ref_groupnorm_bwd_all(dy, x, mean, rstd, gamma, beta, groups, activation):
-    memory_format_of(x)
+    x = dense(x)
     N, C, H, W = x.shape
     G = groups
     acc = _acc(x)
@@ -377,6 +443,7 @@ def ref_groupnorm_bwd(dy, x, mean, rstd, gamma, groups, beta=None, activation="n
 
 
 def ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode):
+    x = dense(x)
     fmt = memory_format_of(x)
     y, idx = F.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode,
                           return_indices=True)
@@ -385,7 +452,7 @@ def ref_maxpool2d_fwd_with_indices(x, kernel_size, stride, padding, dilation, ce
 
 def ref_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     """Overlapping windows' dy are summed in float32 and rounded once, as ckgen does."""
-    memory_format_of(x)
+    x = dense(x)
     if indices is None:
         _, indices = F.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode,
                                   return_indices=True)
@@ -396,6 +463,7 @@ def ref_maxpool2d_bwd(dy, x, kernel_size, stride, padding, dilation, ceil_mode, 
 
 
 def ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    x = dense(x)
     fmt = memory_format_of(x)
     y = F.avg_pool2d(x.to(_acc(x)), list(kernel_size), list(stride), list(padding), ceil_mode, count_include_pad,
                      divisor_override)
@@ -403,7 +471,7 @@ def ref_avgpool2d_fwd(x, kernel_size, stride, padding, ceil_mode, count_include_
 
 
 def ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    memory_format_of(x)
+    x = _unread_x(x)
     acc = _acc(x)
     dx = torch.ops.aten.avg_pool2d_backward(dy.to(acc), x.to(acc), list(kernel_size), list(stride), list(padding),
                                             ceil_mode, count_include_pad, divisor_override)
@@ -416,6 +484,7 @@ def ref_avgpool2d_bwd(dy, x, kernel_size, stride, padding, ceil_mode, count_incl
 def cuda_groupnorm_fwd(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float = 1e-5,
                        activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
     """ckgen::groupnorm_fwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    x, gamma, beta = dense(x), _vec(gamma), _vec(beta)
     why = _not_served("groupnorm_fwd", x, G=groups, activation=activation)
     if why:
         note_fallback("ckgen::groupnorm_fwd", why)
@@ -440,12 +509,18 @@ def _check_groups(x: Tensor, groups: int) -> None:
 
 @groupnorm_fwd.register_fake
 def _(x, gamma, beta, groups, eps=1e-5, activation="none"):
-    memory_format_of(x)
+    x = dense(x)
     _check_groups(x, groups)
     _act(activation)
     N = x.shape[0]
     return (torch.empty_like(x), x.new_empty((N, groups), dtype=torch.float32),
             x.new_empty((N, groups), dtype=torch.float32))
+
+
+def _gn_bwd_args(dy, x, mean, rstd, gamma, beta):
+    """The backward ops' tensors as ckgen reads them: x dense, dy in x's layout, vectors contiguous."""
+    x = dense(x)
+    return like(dy, x), x, _vec(mean), _vec(rstd), _vec(gamma), _vec(beta)
 
 
 def _bwd_not_served(op_name: str, x: Tensor, groups: int, activation: str) -> Optional[str]:
@@ -455,6 +530,7 @@ def _bwd_not_served(op_name: str, x: Tensor, groups: int, activation: str) -> Op
 def cuda_groupnorm_bwd(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
                        beta: Optional[Tensor] = None, activation: str = "none") -> tuple[Tensor, Tensor, Tensor]:
     """ckgen::groupnorm_bwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    dy, x, mean, rstd, gamma, beta = _gn_bwd_args(dy, x, mean, rstd, gamma, beta)
     why = _bwd_not_served("groupnorm_bwd", x, groups, activation)
     if why:
         note_fallback("ckgen::groupnorm_bwd", why)
@@ -474,7 +550,7 @@ def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
 
 @groupnorm_bwd.register_fake
 def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
-    memory_format_of(x)
+    x = dense(x)
     _check_groups(x, groups)
     C = x.shape[1]
     return torch.empty_like(x), x.new_empty((C,)), x.new_empty((C,))
@@ -483,6 +559,7 @@ def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
 def cuda_groupnorm_bwd_data(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, gamma: Optional[Tensor], groups: int,
                             beta: Optional[Tensor] = None, activation: str = "none") -> Tensor:
     """ckgen::groupnorm_bwd_data on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    dy, x, mean, rstd, gamma, beta = _gn_bwd_args(dy, x, mean, rstd, gamma, beta)
     why = _bwd_not_served("groupnorm_bwd_data", x, groups, activation)
     if why:
         note_fallback("ckgen::groupnorm_bwd_data", why)
@@ -502,7 +579,7 @@ def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
 
 @groupnorm_bwd_data.register_fake
 def _(dy, x, mean, rstd, gamma, groups, beta=None, activation="none"):
-    memory_format_of(x)
+    x = dense(x)
     _check_groups(x, groups)
     return torch.empty_like(x)
 
@@ -511,6 +588,7 @@ def cuda_groupnorm_bwd_gamma_beta(dy: Tensor, x: Tensor, mean: Tensor, rstd: Ten
                                   gamma: Optional[Tensor] = None, beta: Optional[Tensor] = None,
                                   activation: str = "none") -> tuple[Tensor, Tensor]:
     """ckgen::groupnorm_bwd_gamma_beta on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    dy, x, mean, rstd, gamma, beta = _gn_bwd_args(dy, x, mean, rstd, gamma, beta)
     why = _bwd_not_served("groupnorm_bwd_gamma_beta", x, groups, activation)
     if why:
         note_fallback("ckgen::groupnorm_bwd_gamma_beta", why)
@@ -530,7 +608,7 @@ def _(dy, x, mean, rstd, groups, gamma=None, beta=None, activation="none"):
 
 @groupnorm_bwd_gamma_beta.register_fake
 def _(dy, x, mean, rstd, groups, gamma=None, beta=None, activation="none"):
-    memory_format_of(x)
+    x = dense(x)
     _check_groups(x, groups)
     C = x.shape[1]
     return x.new_empty((C,)), x.new_empty((C,))
@@ -542,6 +620,7 @@ def _(dy, x, mean, rstd, groups, gamma=None, beta=None, activation="none"):
 def cuda_maxpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
                        ceil_mode: bool) -> Tensor:
     """ckgen::maxpool2d_fwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    x = dense(x)
     k, s, p, d = tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation)
     why = _pool_not_served("maxpool2d_fwd", x, k, s, p, d, ceil_mode, (("return_indices", False),))
     if why:
@@ -562,13 +641,14 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
 
 @maxpool2d_fwd.register_fake
 def _(x, kernel_size, stride, padding, dilation, ceil_mode):
-    fmt = memory_format_of(x)
+    fmt = layout_for(x)
     return _empty(_pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode), x, fmt)
 
 
 def cuda_maxpool2d_fwd_with_indices(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
                                     dilation: List[int], ceil_mode: bool) -> tuple[Tensor, Tensor]:
     """ckgen::maxpool2d_fwd_with_indices on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    x = dense(x)
     k, s, p, d = tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation)
     why = _pool_not_served("maxpool2d_fwd", x, k, s, p, d, ceil_mode, (("return_indices", True),))
     if why:
@@ -589,7 +669,7 @@ def _(x, kernel_size, stride, padding, dilation, ceil_mode):
 
 @maxpool2d_fwd_with_indices.register_fake
 def _(x, kernel_size, stride, padding, dilation, ceil_mode):
-    fmt = memory_format_of(x)
+    fmt = layout_for(x)
     shape = _pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode)
     return _empty(shape, x, fmt), _empty(shape, x, fmt, torch.int64)
 
@@ -600,6 +680,8 @@ _STORED, _RECOMPUTE = (("indices", "stored"),), (("indices", "recompute"),)
 def cuda_maxpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
                        dilation: List[int], ceil_mode: bool, indices: Optional[Tensor] = None) -> Tensor:
     """ckgen::maxpool2d_bwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    x = dense(x)
+    dy, indices = like(dy, x), None if indices is None else like(indices, x)
     k, s, p, d = tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation)
     why = _pool_not_served("maxpool2d_bwd", x, k, s, p, d, ceil_mode,
                            _RECOMPUTE if indices is None else _STORED)
@@ -621,7 +703,7 @@ def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
 
 @maxpool2d_bwd.register_fake
 def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
-    memory_format_of(x)
+    x = dense(x)
     _pool_out_shape(x, kernel_size, stride, padding, dilation, ceil_mode)
     return torch.empty_like(x)
 
@@ -629,6 +711,7 @@ def _(dy, x, kernel_size, stride, padding, dilation, ceil_mode, indices=None):
 def cuda_avgpool2d_fwd(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], ceil_mode: bool,
                        count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
     """ckgen::avgpool2d_fwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    x = dense(x)
     k, s, p = tuple(kernel_size), tuple(stride), tuple(padding)
     why = _pool_not_served("avgpool2d_fwd", x, k, s, p, None, ceil_mode,
                            (("count_include_pad", bool(count_include_pad)), ("divisor_override", divisor_override)))
@@ -650,13 +733,15 @@ def _(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_ove
 
 @avgpool2d_fwd.register_fake
 def _(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
-    fmt = memory_format_of(x)
+    fmt = layout_for(x)
     return _empty(_pool_out_shape(x, kernel_size, stride, padding, (1, 1), ceil_mode), x, fmt)
 
 
 def cuda_avgpool2d_bwd(dy: Tensor, x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int],
                        ceil_mode: bool, count_include_pad: bool, divisor_override: Optional[int] = None) -> Tensor:
     """ckgen::avgpool2d_bwd on CUDA tensors (what the custom op runs; also the eager fast path's kernel)."""
+    x = _unread_x(x)
+    dy = like(dy, x)
     k, s, p = tuple(kernel_size), tuple(stride), tuple(padding)
     why = _pool_not_served("avgpool2d_bwd", x, k, s, p, None, ceil_mode,
                            (("count_include_pad", bool(count_include_pad)), ("divisor_override", divisor_override)))
@@ -678,7 +763,7 @@ def _(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor
 
 @avgpool2d_bwd.register_fake
 def _(dy, x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override=None):
-    memory_format_of(x)
+    x = _unread_x(x)
     _pool_out_shape(x, kernel_size, stride, padding, (1, 1), ceil_mode)
     return torch.empty_like(x)
 
@@ -693,7 +778,7 @@ def _needs(ctx, i: int) -> bool:
 
 def grad_like(g: Tensor, x_or_fmt, dtype: torch.dtype) -> Tensor:
     """An incoming gradient in the dtype and memory layout the backward kernel needs."""
-    fmt = x_or_fmt if isinstance(x_or_fmt, torch.memory_format) else memory_format_of(x_or_fmt)
+    fmt = x_or_fmt if isinstance(x_or_fmt, torch.memory_format) else layout_for(x_or_fmt)
     return g.to(dtype).contiguous(memory_format=fmt)
 
 
@@ -758,7 +843,7 @@ maxpool2d_fwd_with_indices.register_autograd(_max_backward, setup_context=_max_s
 
 def avg_x_meta(x: Tensor) -> tuple:
     """What avg pooling's backward keeps of x: shape, dtype, device and layout (no tensor)."""
-    return tuple(x.shape), x.dtype, x.device, memory_format_of(x)
+    return tuple(x.shape), x.dtype, x.device, layout_for(x)
 
 
 def avg_dx(dy: Tensor, x_meta: tuple, params: tuple, bwd=None) -> Tensor:

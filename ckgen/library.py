@@ -176,7 +176,7 @@ def _build_cuda(inst: Instance) -> Built:
     report = {m[0]: {"registers": int(m[4]), "spill_stores": int(m[2]), "spill_loads": int(m[3]),
                      "stack_bytes": int(m[1]),
                      "smem_bytes": int(_SMEM.search(m[5]).group(1)) if _SMEM.search(m[5]) else 0} for m in _PTXAS.findall(log)}
-    if not report:  # no ptxas report in the log (on the H100 machines: a source another process compiled
+    if not report:  # no ptxas report in the log (seen where another process had compiled the same source
         # before): what the cubin says, for all its kernels at once; its stack frame stands for
         # the spill (ckgen's kernels keep no local arrays: a frame is spill space)
         from .compile import cubin_resources
@@ -283,7 +283,7 @@ def spill_bytes(op: OpSpec, p: Any, config: Config, target: Target) -> int | Non
     launch would load (`compile.ensure_cubin`: NVRTC, no GPU needed, into the kernel cache, so
     an accepted pick is not compiled again), read from the cubin itself (`compile.frame_bytes`);
     remembered per source. None where that cannot be told (a HIP target, no NVRTC, a failed
-    build). Not from ptxas's -v log: on the H100 machines a second process compiling the same
+    build). Not from ptxas's -v log: a second process compiling the same
     source got no ptxas report (a compile cache), and an empty report read as "no spill"."""
     if target.vendor != "cuda":
         return None

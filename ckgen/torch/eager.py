@@ -2,11 +2,10 @@
 
 Why: an eager call of an operator with a Python autograd formula goes through the dispatcher's
 Python glue (schema binding, pytree flattening, the generated autograd function, the
-`setup_context` call) on every call. Measured on an H100 host (tools/torch-host-diag.py,
-bench/results/logs/torch_eager_host_diag-*.log), when the ops were still `torch.library.custom_op`s:
-a max pool forward with a gradient took 416 us of host time through the op against 61 us for
-the plain ckgen call, and a converted training step got slower than PyTorch's although its GPU
-time got faster.
+`setup_context` call) on every call. Measured with tools/torch-host-diag.py through a
+`torch.library.custom_op`: a max pool forward with a gradient took 416 us of host time through
+the op against 61 us for the plain ckgen call, enough to make a converted training step slower
+than PyTorch's although its GPU time was faster.
 
 So, in eager mode, `ckgen.torch.functional` (and so the modules and `convert`) call these
 Functions with a `Call`: what one call signature (x's shape, strides, dtype and device, the op's

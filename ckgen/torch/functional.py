@@ -230,7 +230,7 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, dilation=1, ceil_
     `under_compile` says what a torch.compile trace gets: "inductor" (the default) traces
     PyTorch's max pool, which Inductor lowers into its own kernel, fused with the ReLU before it
     and storing int8 window offsets instead of int64 indices; "ckgen" traces ckgen's custom op.
-    Measured on the H100 (README, PyTorch integration): in compiled VGG-16 and ResNet-50 ckgen's
+    Measured (docs/pytorch.md, max pools under torch.compile): in compiled VGG-16 and ResNet-50 ckgen's
     pools tied Inductor's in GPU time (0.97x-1.02x) and cost 0.2-1.6 ms of host time a step. Eager
     calls run ckgen either way."""
     if indices not in ("stored", "recompute"):

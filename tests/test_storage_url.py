@@ -28,7 +28,7 @@ BAD_URLS = [
     f"postgresql+psycopg:///db?host=127.0.0.1&port=1&user=bob&password={SECRET}",
     f"//bob:{SECRET}@127.0.0.1/db",
     f"postgresql+psycopg://bob:S3%2FCRETPW@127.0.0.1:1/db",
-    f"sqlite:////no/such/dir/studies.db?password={SECRET}",
+    f"sqlite:///{{tmp}}/no/such/dir/studies.db?password={SECRET}",
     f"postgresql+psycopg://bob:{SECRET}@127.0.0.1:1/db?sslmode=bogus&password={SECRET}",
 ]
 
@@ -44,7 +44,8 @@ def _leaks(text: str, password: str) -> list[str]:
 
 
 @pytest.mark.parametrize("url", BAD_URLS)
-def test_storage_errors_show_no_password(inproc, url) -> None:
+def test_storage_errors_show_no_password(inproc, tmp_path, url) -> None:
+    url = url.replace("{tmp}", str(tmp_path))
     for argv in _commands(url):
         code, out, err = inproc(*argv)
         shown = out + err

@@ -34,6 +34,18 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
+def printable(value: Any) -> str:
+    """`value` as text a terminal shows rather than obeys: every character that is not
+    printable (ESC sequences, newlines and carriage returns, C1 codes, bidi overrides, line
+    separators) as its backslash escape. DB strings come from other machines (`db pull`, `db
+    merge`): a table of them must not move the cursor, recolour or clear the screen, or fake
+    rows. Table and tsv cells only: json escapes them itself, and keeps them exact."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 # ------------------------------------------------------------------ option types (argparse)
 
 
@@ -84,9 +96,10 @@ def _csv_ints(text: str) -> list[int]:
 # ------------------------------------------------------------------ shared checks
 
 
-def _user_db(args: argparse.Namespace) -> Path:
+def _user_db(args: argparse.Namespace, *, write: bool = False) -> Path:
     """The user DB path (--db, else $CKGEN_DB, else the cache dir's), checked: a folder, or a
-    path under a file, is a usage error naming where the path came from."""
+    path under a file, is a usage error naming where the path came from; with `write` (the
+    command saves to it), so is a path that is not a regular file or whose folder takes no file."""
     from . import settings
 
     if getattr(args, "db", None):
@@ -100,6 +113,12 @@ def _user_db(args: argparse.Namespace) -> Path:
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise UsageError(f"{origin}: {path} lies under {parent}, which is a file, not a directory")
+    if write:
+        from .db import destination_problem
+
+        why = destination_problem(path)
+        if why:
+            raise UsageError(f"{origin}: {path} {why}")
     return path
 
 
@@ -193,14 +212,37 @@ def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
         raise UsageError(text) from None
 
 
-def _check_storage(url: str | None) -> None:
+def _check_storage(url: str | None, *, existing: bool = False) -> None:
+    """--storage, checked before anything runs: a URL that cannot be a storage; a SQLite file in
+    a folder that takes no new file (the file and its lock files go there; the lock would
+    otherwise be waited for in vain); with `existing` (`db pull` reads studies), a SQLite file
+    that is not there (optuna would create an empty one). Messages are masked (`_storage_error`)."""
     if url is None:
         return
+    from . import storage_url
+    from .db import folder_problem
     from .tune import storage_problem
 
-    why = storage_problem(url)
+    try:
+        why = storage_problem(url)
+    except Exception as e:  # noqa: BLE001 - a URL that trips SQLAlchemy's own parsing: still one line
+        why = f"{url!r} is not a database URL ({type(e).__name__}: {e})"
+    path = None if why else storage_url.sqlite_path(url)
+    if path is not None and existing and not path.is_file():
+        why = (f"no study storage at {path}: the file does not exist" if not os.path.lexists(path)
+               else f"{path} is not a regular file")
+    elif path is not None:
+        trouble = folder_problem(path.parent)
+        why = f"{path} cannot be used: {trouble}" if trouble else None
     if why:
-        raise UsageError(f"--storage: {why}")
+        raise _storage_error(why, url)
+
+
+def _storage_error(why: Any, url: str | None) -> UsageError:
+    """A --storage error: one line, every password of `url` (and any other) masked."""
+    from .storage_url import message
+
+    return UsageError(f"--storage: {message(str(why), url)}")
 
 
 def _result_sheet(title: str, extra_cols: Sequence[Col] = ()) -> Sheet:
@@ -224,7 +266,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     problems = _problems(op, args)
     if args.list:
         return _tune_list(op, args, problems)
-    db_path = _user_db(args)
+    db_path = _user_db(args, write=True)
     _check_storage(args.storage)
     why = gpu_status()
     if why:
@@ -236,7 +278,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import db as dbmod
     from . import settings
     from .target import device_info
-    from .tune import StudyStorageError, db_entry, shown_url, tune_problem
+    from .storage_url import shown as shown_url
+    from .tune import StudyStorageError, db_entry, tune_problem
 
     if args.skip_tuned:
         problems = _untuned(op, args, problems, device_info(None).target.arch)
@@ -272,7 +315,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
                                  seed=args.seed, sampler=args.sampler, on_trial=progress)
             except StudyStorageError as e:  # the same for every problem: stop here
-                raise UsageError(f"--storage: {e}") from None
+                raise _storage_error(e, storage) from None
             except RuntimeError as e:
                 err.print(f"{p.key()}: {e}", markup=False)
                 continue
@@ -343,6 +386,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     from rich.table import Column
 
     from . import settings, workers as wk
+    from .storage_url import mask, shown
 
     fmt = resolve(args.format, console)
     info_out = _info(fmt)
@@ -357,7 +401,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     pins = [devices[i % len(devices)] for i in range(n)] if devices else []
     info_out.print(f"tuning {plural(len(problems), 'problem')} of {op.name} with {plural(n, 'worker')}"
                    + (f" (CUDA_VISIBLE_DEVICES {', '.join(pins)})" if pins else "")
-                   + f"; DB {db_path}; study storage {wk.tune.shown_url(storage)}", markup=False)
+                   + f"; DB {db_path}; study storage {shown(storage)}", markup=False)
     if devices and n > len(devices):
         info_out.print(f"[yellow]{n} workers share {plural(len(devices), 'GPU')}: their timings disturb each other[/]")
     key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))
@@ -386,7 +430,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
                                f"{wk.tune.GRACE_S} s and measured again by the others[/]")
                 bar.update(tasks[i], description=f"worker {i}: died ({why})")
             elif kind == "error":
-                err.print(f"worker {i}: {ev[2] + ': ' if ev[2] else ''}{ev[3]}", markup=False)
+                err.print(mask(f"worker {i}: {ev[2] + ': ' if ev[2] else ''}{ev[3]}", storage), markup=False)
             elif kind == "skip":
                 err.print(f"{ev[2]}: {ev[3]}", markup=False)
 
@@ -407,15 +451,15 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
         sheet.add(*(([device] if several else []) + row))
     fatal = [w for w in report.workers if w.error]
     for w in fatal:
-        err.print(f"worker {w.index}: {w.error.splitlines()[0]}", markup=False)
-    emit(console, fmt, [sheet], {"op": op.name, "devices": devices_seen, "db": str(db_path), "storage": wk.tune.shown_url(storage),
+        err.print(mask(f"worker {w.index}: {w.error.splitlines()[0]}", storage), markup=False)
+    emit(console, fmt, [sheet], {"op": op.name, "devices": devices_seen, "db": str(db_path), "storage": shown(storage),
                                  "workers": n, "seconds": round(report.seconds, 1),
                                  "died": [w.index for w in report.died]})
     wrote = sum(1 for r in report.results.values() if r.get("db"))
     info_out.print(f"{plural(ok, 'problem')} tuned in {report.seconds:.0f} s; this machine's workers wrote "
                    f"{plural(wrote, 'entry', 'entries')} to {db_path}", markup=False)
     if fatal and all(w.exitcode == wk.STORAGE_EXIT for w in report.workers):  # the storage failed them all
-        raise UsageError(f"--storage: {fatal[0].error.splitlines()[0]}")
+        raise _storage_error(fatal[0].error.splitlines()[0], storage)
     want = len(problems) * max(1, len(devices_seen))
     return 0 if ok == want else 1
 
@@ -426,8 +470,9 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
 def _entries_sheet(user: Any, layered: Any, op: str | None = None) -> Sheet:
     entries = layered.select(op)
     sheet = Sheet("entries", f"instance DB ({plural(len(entries), 'entry', 'entries')})", (
-        Col("op", ident=True), Col("arch", ident=True), Col("device"), Col("problem", ident=True, wide=True),
-        Col("instance", ident=True, wide=True), Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
+        Col("op", ident=True), Col("arch", ident=True, fmt=printable), Col("device", fmt=printable),
+        Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True, fmt=printable),
+        Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
         Col("gbps", "GB/s", lambda v: f"{v:.0f}", number=True), Col("from", ident=True)))
     for e in entries:
         sheet.add(e.op, e.arch, e.device, e.problem, e.instance, e.time_us, e.gbps,
@@ -470,30 +515,38 @@ def cmd_db_export(args: argparse.Namespace) -> int:
 def cmd_db_pull(args: argparse.Namespace) -> int:
     """DB entries from the finished studies of a storage (another machine's workers' winners)."""
     from . import db as dbmod
-    from .tune import StudyStorageError, shown_url
+    from .storage_url import mask, shown
+    from .tune import StudyStorageError
     from .workers import pull_entries
 
-    path = _user_db(args)
-    _check_storage(args.storage)
+    path = _user_db(args, write=True)
+    _check_storage(args.storage, existing=True)
     fmt = resolve(args.format, console)
     try:
         pulled = pull_entries(args.storage)
     except StudyStorageError as e:
-        raise UsageError(f"--storage: {e}") from None
+        raise _storage_error(e, args.storage) from None
+    except Exception as e:  # noqa: BLE001 - a driver's or optuna's own error, past the storage's opening
+        raise _storage_error(f"{type(e).__name__}: {e}", args.storage) from None
     if pulled.entries:
         dbmod.save_entries(path, pulled.entries)
-    sheet = Sheet("entries", f"pulled from {shown_url(args.storage)} ({plural(len(pulled.entries), 'entry', 'entries')})", (
-        Col("op", ident=True), Col("arch", ident=True), Col("device"), Col("problem", ident=True, wide=True),
-        Col("instance", ident=True, wide=True), Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
-        Col("host", ident=True), Col("trials", number=True)))
+    sheet = Sheet("entries", f"pulled from {shown(args.storage)} ({plural(len(pulled.entries), 'entry', 'entries')})", (
+        Col("op", ident=True), Col("arch", ident=True, fmt=printable), Col("device", fmt=printable),
+        Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True, fmt=printable),
+        Col("time_us", "us", lambda v: f"{v:.1f}", number=True),
+        Col("host", ident=True, fmt=printable), Col("trials", number=True)))
     for e in sorted(pulled.entries, key=lambda e: e.ident):
         prov = e.provenance_dict()
         sheet.add(e.op, e.arch, e.device, e.problem, e.instance, e.time_us, str(prov.get("host", "")),
                   prov.get("trials", 0))
-    emit(console, fmt, [sheet], {"db": str(path), "storage": shown_url(args.storage), "skipped": pulled.skipped})
-    for why in pulled.skipped:
-        _info(fmt).print(f"skipped {why}", markup=False)
-    _info(fmt).print(f"wrote {plural(len(pulled.entries), 'entry', 'entries')} to {path}", markup=False)
+    skipped = [mask(why, args.storage) for why in pulled.skipped]
+    emit(console, fmt, [sheet], {"db": str(path), "storage": shown(args.storage), "skipped": skipped})
+    for why in skipped:
+        _info(fmt).print(f"skipped {printable(why)}", markup=False)
+    if pulled.entries:
+        _info(fmt).print(f"wrote {plural(len(pulled.entries), 'entry', 'entries')} to {path}", markup=False)
+    else:
+        _info(fmt).print(f"no entries to pull; {path} was not written", markup=False)
     return 0
 
 
@@ -502,74 +555,108 @@ def cmd_db_merge(args: argparse.Namespace) -> int:
     from . import db as dbmod
 
     out = Path(args.output)
-    if out.is_dir():
-        raise UsageError(f"-o: {out} is a directory; name the DB file")
+    why = dbmod.destination_problem(out)  # up front: not after minutes of verifying, nor a 60 s lock wait
+    if why:
+        raise UsageError(f"-o: {out} {why}")
     dbs = []
     for name in args.dbs:
         path = Path(name)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise UsageError(f"{name}: no such DB file")
         dbs.append(dbmod.InstanceDB.load(path))  # strict: a corrupt file is a DBError (exit 2)
-    merged = dbmod.merge_faster(*dbs)
-    dbmod.write_db(out, merged.entries)
+    # Into what -o holds under its lock (as a save merges): entries saved meanwhile stay.
+    merged, held = dbmod.merge_into(out, *dbs)
     console.print(f"wrote {plural(len(merged.entries), 'entry', 'entries')} to {out} (from "
-                  f"{plural(sum(len(d.entries) for d in dbs), 'entry', 'entries')} in {plural(len(dbs), 'file')})",
-                  markup=False)
+                  f"{plural(sum(len(d.entries) for d in dbs), 'entry', 'entries')} in {plural(len(dbs), 'file')}"
+                  + (f" and the {plural(held, 'entry', 'entries')} it held" if held else "") + ")", markup=False)
     return 0
 
 
 def cmd_db_where(args: argparse.Namespace) -> int:
     """Where everything is: the resolved cache dir, user DB, shipped DB (and which entries come
-    from which), studies, kernels, templates, tuning spaces, ROCm."""
+    from which), studies, kernels, templates, tuning spaces, ROCm. A place that cannot be used
+    (a corrupt DB, a path that is a folder, a setting that does not parse) is reported in its
+    row, and the others still are; the exit code is then 1."""
     from . import db as dbmod
     from . import settings
     from .resources import templates_dir, tuning_spaces_dir
 
-    path, user, shipped, layered = _layers(args)
-    side = dbmod._side_files(path)
     env = os.environ.get
+    places = Sheet("places", "where ckgen reads and writes", (
+        Col("what", ident=True), Col("path", ident=True, wide=True, fmt=printable), Col("set_by", "set by"),
+        Col("state", fmt=printable)))
+    broken = []
+
+    def place(what: str, row: Any) -> None:
+        """One row: `row()` gives (path, set by, state); an error is that place's state."""
+        try:
+            places.add(what, *row())
+        except Exception as e:  # noqa: BLE001 - one place that cannot be read: said in its row, the rest go on
+            broken.append(what)
+            places.add(what, getattr(e, "path", ""), "", f"unusable: {e}")
+
+    def load(path: Path) -> Any:
+        try:
+            return dbmod.InstanceDB.load(path), None
+        except dbmod.DBError as e:
+            return dbmod.InstanceDB(), e
+
+    try:
+        path: Path | None = _user_db(args)
+        user, user_error = load(path)
+    except UsageError as e:
+        path, user, user_error = None, dbmod.InstanceDB(), e
+    shipped_path = dbmod.shipped_db_path()
+    shipped, shipped_error = load(shipped_path)
+    layered = dbmod.InstanceDB.layered(user, shipped)
+
+    def db_row(p: Path | None, origin: str, db: Any, error: Exception | None, missing: str) -> Any:
+        if error is not None:
+            raise error
+        side = dbmod._side_files(p)
+        return (str(p), origin, (plural(len(db.entries), "entry", "entries") if p.is_file() else missing)
+                + (f", {plural(len(side), 'pending side file')}" if side else ""))
+
+    place("cache dir", lambda: (str(settings.cache_dir()),
+                                f"${settings.ENV_CACHE}" if env(settings.ENV_CACHE) else "the platform's user cache dir",
+                                "exists" if settings.cache_dir().is_dir() else "not created yet"))
     user_origin = ("--db" if getattr(args, "db", None) else f"${settings.ENV_DB}" if env(settings.ENV_DB)
                    else "the cache dir")
-    shipped_path = dbmod.shipped_db_path()
-    places = Sheet("places", "where ckgen reads and writes", (
-        Col("what", ident=True), Col("path", ident=True, wide=True), Col("set_by", "set by"), Col("state")))
-    places.add("cache dir", str(settings.cache_dir()),
-               f"${settings.ENV_CACHE}" if env(settings.ENV_CACHE) else "the platform's user cache dir",
-               "exists" if settings.cache_dir().is_dir() else "not created yet")
-    places.add("user DB", str(path), user_origin,
-               (plural(len(user.entries), "entry", "entries") if path.is_file() else "not created yet (no entries)")
-               + (f", {plural(len(side), 'pending side file')}" if side else ""))
-    places.add("shipped DB", str(shipped_path),
-               f"${settings.ENV_SHIPPED}" if settings.shipped_db_override() else "the package",
-               plural(len(shipped.entries), "entry", "entries") if shipped_path.is_file() else "missing (no entries)")
+    place("user DB", lambda: db_row(path, user_origin, user, user_error, "not created yet (no entries)"))
+    place("shipped DB", lambda: db_row(shipped_path, f"${settings.ENV_SHIPPED}" if settings.shipped_db_override()
+                                       else "the package", shipped, shipped_error, "missing (no entries)"))
     studies = settings.cache_dir() / "studies.sqlite3"
-    places.add("optuna studies", f"sqlite:///{studies}", "the cache dir (tune/retune --storage: another)",
-               "exists" if studies.is_file() else "not created yet")
-    kernels = settings.kernel_cache_dir()
-    places.add("compiled kernels", str(kernels),
-               f"${settings.ENV_KERNEL_CACHE}" if os.environ.get(settings.ENV_KERNEL_CACHE) else "the cache dir",
-               "exists" if kernels.is_dir() else "not created yet")
+    place("optuna studies", lambda: (f"sqlite:///{studies}", "the cache dir (tune/retune --storage: another)",
+                                     "exists" if studies.is_file() else "not created yet"))
+    place("compiled kernels", lambda: (str(settings.kernel_cache_dir()), f"${settings.ENV_KERNEL_CACHE}"
+                                       if os.environ.get(settings.ENV_KERNEL_CACHE) else "the cache dir",
+                                       "exists" if settings.kernel_cache_dir().is_dir() else "not created yet"))
     from . import costmodel, records
 
-    model = costmodel.model_path()
-    model_env = env(settings.ENV_MODEL)
-    places.add("cost model", str(model) if model else "",
-               f"${settings.ENV_MODEL}" if model_env else
-               "beside the user DB" if model == costmodel.user_model_path() else "the package",
-               "off" if model is None else "exists" if model.is_file() else "missing (the dispatcher goes on without it)")
-    user_records = records.user_records_path()
-    places.add("tuning records (yours)", str(user_records), "beside the user DB",
-               "exists" if user_records.is_file() else "not created yet")
-    places.add("tuning records (shipped)", str(records.packaged_records_path()), "the package",
-               "exists" if records.packaged_records_path().is_file() else "missing")
+    def model_row() -> Any:
+        model = costmodel.model_path()
+        return (str(model) if model else "",
+                f"${settings.ENV_MODEL}" if env(settings.ENV_MODEL) else
+                "beside the user DB" if model == costmodel.user_model_path() else "the package",
+                "off" if model is None else "exists" if model.is_file() else "missing (the dispatcher goes on without it)")
+
+    place("cost model", model_row)
+    place("tuning records (yours)", lambda: (str(records.user_records_path()), "beside the user DB",
+                                             "exists" if records.user_records_path().is_file() else "not created yet"))
+    place("tuning records (shipped)", lambda: (str(records.packaged_records_path()), "the package",
+                                               "exists" if records.packaged_records_path().is_file() else "missing"))
     pkg = Path(__file__).resolve().parent
-    for what, folder in (("templates", templates_dir()), ("tuning spaces", tuning_spaces_dir())):
-        places.add(what, str(folder), "the installed package" if pkg in folder.resolve().parents
-                   else "the checkout (beside the package)", "")
-    rocm = settings.rocm_path()
-    places.add("ROCm (offline HIP builds)", str(rocm) if rocm else "",
-               f"${settings.ENV_ROCM}" if env(settings.ENV_ROCM) else "tools/hip-toolchain (cache dir)",
-               "found" if rocm else "none")
+    for what, folder in (("templates", templates_dir), ("tuning spaces", tuning_spaces_dir)):
+        place(what, lambda folder=folder: (str(folder()), "the installed package" if pkg in folder().resolve().parents
+                                           else "the checkout (beside the package)", ""))
+
+    def rocm_row() -> Any:
+        rocm = settings.rocm_path()
+        return (str(rocm) if rocm else "",
+                f"${settings.ENV_ROCM}" if env(settings.ENV_ROCM) else "tools/hip-toolchain (cache dir)",
+                "found" if rocm else "none")
+
+    place("ROCm (offline HIP builds)", rocm_row)
     counts: dict[tuple[str, str], list[int]] = {}
     for e in layered.entries:
         counts.setdefault((e.op, e.arch), [0, 0, 0])[0 if user.lookup(*e.ident) is e else 1] += 1
@@ -577,15 +664,32 @@ def cmd_db_where(args: argparse.Namespace) -> int:
         if user.lookup(*e.ident) is not None:
             counts.setdefault((e.op, e.arch), [0, 0, 0])[2] += 1
     origin = Sheet("entries", f"entries in use ({plural(len(layered.entries), 'entry', 'entries')}), by origin", (
-        Col("op", ident=True), Col("arch", ident=True), Col("user", number=True), Col("shipped", number=True),
-        Col("shipped_overridden", "shipped, overridden by user", number=True)))
+        Col("op", ident=True), Col("arch", ident=True, fmt=printable), Col("user", number=True),
+        Col("shipped", number=True), Col("shipped_overridden", "shipped, overridden by user", number=True)))
     for (op, arch), (u, s, o) in sorted(counts.items()):
         origin.add(op, arch, u, s, o)
     emit(console, resolve(args.format, console), [places, origin])
-    return 0
+    for what in broken:
+        err.print(f"ckgen db where: the {what} cannot be used (see its row)", markup=False)
+    return 1 if broken else 0
 
 
 # ------------------------------------------------------------------ generate
+
+
+def _check_out_folder(out: Path, check: bool) -> None:
+    """generate --out: with --check, a folder that exists; else a folder, or a path where one
+    can be created."""
+    from .db import folder_problem
+
+    if check and not os.path.lexists(out):
+        raise UsageError(f"--out: {out} does not exist, so there is nothing to check; run `ckgen generate` "
+                         "with the same options to create it")
+    if os.path.lexists(out) and not out.is_dir():
+        raise UsageError(f"--out: {out} is not a folder")
+    why = None if check else folder_problem(out)
+    if why:
+        raise UsageError(f"--out: {why}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -603,9 +707,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"--target: {str(e).removeprefix('target: ')}") from None
     ops = _ops_option(args.ops)
+    out = Path(args.out)
+    _check_out_folder(out, args.check)  # before the plan, which takes a while
     _, _, _, layered = _layers(args)  # the user DB over the shipped one, as every command reads them
     instances = library.plan(targets, ops, from_db=not args.defaults, db=layered)
-    out = Path(args.out)
     n = plural(len(instances), "instance")
     if args.check:  # regenerate into a temp folder and compare with `out`
         with tempfile.TemporaryDirectory() as d:
@@ -661,6 +766,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
             Target.named(args.from_arch)
         except ValueError as e:
             raise UsageError(f"--from-arch: {str(e).removeprefix('target: ')}") from None
+    _user_db(args, write=True)
     db_path, _, _, db = _layers(args)
     _check_storage(args.storage)
     why = gpu_status()
@@ -698,7 +804,7 @@ def cmd_retune(args: argparse.Namespace) -> int:
                              storage=args.storage or settings.study_storage_url(), seed=args.seed,
                              sampler=args.sampler, warm=(item.config,) if ok else ())
         except StudyStorageError as e:
-            raise UsageError(f"--storage: {e}") from None
+            raise _storage_error(e, args.storage or settings.study_storage_url()) from None
         except RuntimeError as e:
             err.print(f"{item.problem}: {e}", markup=False)
             continue
@@ -892,7 +998,8 @@ def parser() -> argparse.ArgumentParser:
     merge = dsub.add_parser("merge", help="merge DB files: per problem and arch the faster verified entry wins, "
                                           "ties by date")
     merge.add_argument("dbs", nargs="+", metavar="DB", help="DB files (YAML)")
-    merge.add_argument("-o", "--output", required=True, help="the merged DB file (replaced)")
+    merge.add_argument("-o", "--output", required=True,
+                       help="the DB file to merge into (created if missing; entries saved to it meanwhile are kept)")
     merge.set_defaults(fn=cmd_db_merge, prog="ckgen db merge")
     return p
 
@@ -906,22 +1013,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     prog = args.prog
     show = warnings.showwarning
+    from .storage_url import mask
+
+    url = getattr(args, "storage", None)  # masked in every message, whatever raised it
 
     def one_line(message: Any, category: type, *rest: Any, **kw: Any) -> None:
         if issubclass(category, dbmod.DBWarning):
             err.print(f"{prog}: warning: {message}", markup=False)
         else:
-            show(message, category, *rest, **kw)
+            show(mask(str(message), url), category, *rest, **kw)
 
     try:
         with warnings.catch_warnings():
             warnings.showwarning = one_line
             return int(args.fn(args) or 0)
     except UsageError as e:
-        err.print(f"{prog}: {e}", markup=False)
+        err.print(f"{prog}: {mask(str(e), url)}", markup=False)
         return 2
     except dbmod.DBError as e:  # a corrupt or unreadable DB file (strict reads)
-        err.print(f"{prog}: {e}", markup=False)
+        err.print(f"{prog}: {mask(str(e), url)}", markup=False)
         return 2
     except KeyboardInterrupt:
         err.print(f"{prog}: interrupted", markup=False)

@@ -19,6 +19,13 @@ Contract (see docs/architecture.md, "Instance database"):
     Temp files of crashed saves are removed by the next save.
   - `load_layered` (the dispatcher's view) degrades: a corrupt user DB is warned about once and
     the shipped DB (and the user DB's side files) stay in use.
+  - Only regular files are read, at most MAX_FILE_BYTES of them (64 MiB, some 100,000 entries):
+    a FIFO, a device (/dev/zero) or a larger file is unusable (DBCorruptError), not a read that
+    blocks forever or without bound. A DB path that is a symlink is read, written and locked
+    as its target (the link stays a link); a save to something that is not a regular file, or
+    into a folder where no file can be created, is refused up front (DBPathError).
+  - `merge_into` (`ckgen db merge -o`) merges into the destination as a save does: under its
+    lock, re-reading it, so what others save meanwhile is kept, and so are its malformed items.
 
 Nothing here imports CuPy.
 """
@@ -47,6 +54,9 @@ LOCK_TIMEOUT_S = 60.0
 MAX_DEPTH = 32  # a DB nests 4 levels (top, entries, entry, config); the loaders recurse per level
 MAX_NODES = 10_000_000  # YAML nodes with every alias expanded (an alias bomb has billions)
 MAX_MESSAGE = 500  # characters of a reason or corruption message: never a whole value
+# Bytes of a DB file read at most: the packaged DB is about 1 MB for some 1,600 entries, so this
+# holds some 100,000 entries, and a file beyond it (or /dev/zero) is not read into memory.
+MAX_FILE_BYTES = 64 * 2**20
 STALE_SIDE_TEMP_S = 600.0  # a side file's temp older than this is a crashed writer's
 _NO_FOLDING = 2**30  # the dumpers' line width: no line is folded
 
@@ -81,6 +91,15 @@ class DBCorruptError(DBError):
         extra = (f"; the new entries were kept in {kept.name} beside it, merged by every load and "
                  "folded in once the file is fixed or moved aside") if kept else ""
         super().__init__(f"instance DB {self.path}: {self.what}; {_UNTOUCHED}{extra}")
+
+
+class DBPathError(DBError):
+    """A DB path that cannot be written: not a regular file (a folder, a device, a FIFO), or in
+    a folder where no file can be created. Nothing was written."""
+
+    def __init__(self, path: Path | str, what: str) -> None:
+        self.path = Path(path)
+        super().__init__(f"instance DB {self.path}: {_bounded(what)}; nothing was written")
 
 
 class DBWarning(UserWarning):
@@ -336,7 +355,7 @@ class InstanceDB:
     def load(cls, path: Path | str) -> "InstanceDB":
         """Read a DB file. Missing file: empty DB. Unusable file: DBCorruptError. Malformed
         entries are skipped (reasons in `skipped`) with one DBWarning for the whole load."""
-        path = Path(path)
+        path = _real(path)  # a link's side files are beside its target, where saves put them
         pending = _read_pending(path)  # first: a side file folded meanwhile is in the file read next
         return _load(path, _read(path), pending)
 
@@ -374,15 +393,16 @@ class InstanceDB:
         return InstanceDB(entries, None, skipped)
 
 
-def _load(path: Path, contents: _Contents, pending: list[tuple[Path, _Contents]] = ()) -> InstanceDB:
+def _load(path: Path, contents: _Contents, pending: list[tuple[Path, _Contents]] = (), *,
+          warn: bool = True) -> InstanceDB:
     """The DB of a file's contents and its side files' (merged by the merge rule), with one
-    DBWarning for all malformed entries."""
+    DBWarning for all malformed entries (unless not `warn`: the caller said it already)."""
     skipped = list(contents.skipped)
     entries = list(contents.entries)
     for side, c in pending:
         skipped += [f"{side.name} {s}" for s in c.skipped]
         entries += c.entries
-    if skipped:
+    if skipped and warn:
         _warn(f"instance DB {path}: skipped {_count(len(skipped))} malformed "
               f"(first: {skipped[0]}); the other entries are in use")
     return InstanceDB(tuple(_merge((), entries)), path, tuple(skipped))
@@ -411,17 +431,53 @@ def _read(path: Path) -> _Contents:
     """The entries of the file at `path` and its malformed items; DBCorruptError if the
     file as a whole is unusable. A missing or empty file has no entries."""
     try:
-        raw = path.read_bytes()
+        raw = _read_bounded(path)
     except FileNotFoundError:
         return _Contents([], [], [])
-    except IsADirectoryError:
-        raise DBCorruptError(path, "is a directory, not a DB file") from None
-    except OSError as e:  # unreadable (permissions, a special file, ...)
+    except OSError as e:  # unreadable (permissions, a broken link, ...)
         raise DBCorruptError(path, f"cannot be read ({e.strerror or e.__class__.__name__})") from None
     try:
         return _interpret(path, _parse(path, raw))
     except (RecursionError, MemoryError) as e:  # defence in depth: _parse bounds both
         raise DBCorruptError(path, f"too deeply nested or too large to read ({type(e).__name__})") from None
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular file is, for a message."""
+    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of the regular file at `path` (FileNotFoundError if there is none); a file of
+    another kind or over MAX_FILE_BYTES is DBCorruptError. Opened without blocking and checked
+    on the open descriptor: opening a FIFO for reading waits for a writer, reading a device may
+    never end, and the kind checked by name could change before the open."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _kind(st.st_mode)
+            raise DBCorruptError(path, f"is {kind}, not a DB file" if kind == "a directory"
+                                 else f"is {kind}, not a regular file; ckgen reads DBs only from regular files")
+        if st.st_size > MAX_FILE_BYTES:
+            raise DBCorruptError(path, f"is {st.st_size:,} bytes, over the {MAX_FILE_BYTES:,} a DB file may have")
+        chunks, size = [], 0
+        while size <= MAX_FILE_BYTES:  # a file growing while read stops at the bound too
+            chunk = os.read(fd, min(1 << 20, MAX_FILE_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            raise DBCorruptError(path, f"is over the {MAX_FILE_BYTES:,} bytes a DB file may have")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _parse(path: Path, raw: bytes) -> Any:
@@ -533,6 +589,68 @@ def _read_pending(path: Path) -> list[tuple[Path, _Contents]]:
 
 
 # ----------------------------------------------------------------------------- writing
+
+
+def _real(path: Path | str) -> Path:
+    """`path` with every symlink resolved: a DB reached through a link is its target's file, its
+    lock and side files are beside the target, and two paths of one file share one lock."""
+    return Path(os.path.realpath(path))
+
+
+def folder_problem(folder: Path | str) -> str | None:
+    """Why no file can be created in `folder` (None: one can): the nearest existing folder on
+    its way must be a folder in which a file can be created. Tried with a probe file, as
+    permissions do not say it for root or on a read-only mount; a save that cannot create its
+    lock file would otherwise wait LOCK_TIMEOUT_S for a lock that nobody holds."""
+    folder = Path(folder)
+    existing = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), None)
+    if existing is None:
+        return None
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    probe = existing / f".ckgen-probe-{secrets.token_hex(6)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        return f"no file can be created in {existing} ({why})" if existing == folder else \
+            f"{folder} cannot be created ({why} in {existing})"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
+def destination_problem(path: Path | str) -> str | None:
+    """Why the DB file at `path` cannot be written (None: it can): what the path (or its link's
+    target) names exists and is not a regular file, or its folder cannot take a new file."""
+    real = _real(path)
+    try:
+        st = os.stat(real)
+    except (FileNotFoundError, NotADirectoryError):  # a new file (its folder is checked next)
+        st = None
+    except OSError as e:  # a link loop, no permission to look
+        return f"cannot be used ({e.strerror or type(e).__name__})"
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = _kind(st.st_mode)
+        return (f"is {kind}; name the DB file" if kind == "a directory"
+                else f"is {kind}, not a regular file; ckgen writes DBs only to regular files")
+    why = folder_problem(real.parent)
+    return f"cannot be written: {why}" if why else None
+
+
+def _destination(path: Path | str) -> Path:
+    """The file a write of the DB at `path` replaces (symlinks resolved), its folder created;
+    DBPathError when it cannot be written (`destination_problem`)."""
+    why = destination_problem(path)
+    if why:
+        raise DBPathError(path, why)
+    real = _real(path)
+    try:
+        real.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DBPathError(path, f"its folder cannot be created ({e.strerror or type(e).__name__})") from None
+    return real
 
 
 def _lock(path: Path) -> filelock.FileLock:
@@ -655,9 +773,8 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
       - a corrupt file: it is not written; the entries go to a side file and DBCorruptError
         (its `kept` names the side file) is raised.
     """
-    path = Path(path)
     new = list(new)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = _destination(path)
     try:
         with _lock(path):
             _clean_temps(path)
@@ -695,9 +812,10 @@ def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
     """Remove the entries for which `pred` is true (side files folded in first), under the
     lock, atomically. Returns how many were removed (the file is not rewritten when none and
     there are no side files)."""
-    path = Path(path)
+    path = _real(path)
     if not path.exists() and not _side_files(path):
         return 0
+    path = _destination(path)
     with _lock(path):
         _clean_temps(path)
         pending = _read_pending(path)
@@ -747,10 +865,56 @@ def merge_faster(*dbs: InstanceDB, verified: Callable[[Entry], bool] = entry_ver
     return InstanceDB(tuple(e for _, e in best.values()))
 
 
+def merge_into(path: Path | str, *dbs: InstanceDB,
+               verified: Callable[[Entry], bool] = entry_verified) -> tuple[InstanceDB, int]:
+    """`merge_faster` of the DB file at `path` (if it exists) and `dbs`, written to `path` as
+    `save_entries` writes: under the file's lock, re-reading the file (and folding in its side
+    files), so entries saved by others while the inputs were read and verified are merged, not
+    replaced. Malformed items of the file are written back verbatim. Returns (the merged DB,
+    how many entries the file held under the lock).
+
+    Verifying costs a render per entry, so it is done before the lock is taken for `dbs` and
+    the file as read then; under the lock only the entries saved since are verified. Raises
+    DBPathError (nothing written) for a destination that cannot be written, DBCorruptError
+    (untouched) for a corrupt one, and DBError when the lock is not free within LOCK_TIMEOUT_S
+    (nothing written; the inputs are unchanged, so the merge can simply run again)."""
+    known: dict[Entry, bool] = {}
+
+    def check(e: Entry) -> bool:
+        ok = known.get(e)
+        if ok is None:
+            ok = known[e] = verified(e)
+        return ok
+
+    path = _destination(path)
+    try:  # the file as it is now (read again under the lock, which warns about it)
+        before: tuple[Entry, ...] = _load(path, _read(path), warn=False).entries
+    except DBError:
+        before = ()
+    for e in (*before, *(e for db in dbs for e in db.entries)):
+        check(e)
+    try:
+        with _lock(path):
+            _clean_temps(path)
+            pending = _read_pending(path)
+            contents = _read(path)
+            # warned about once: by its load as an input if it is one
+            on_disk = _load(path, contents, pending, warn=not any(db.path == path for db in dbs))
+            merged = merge_faster(on_disk, *dbs, verified=check)
+            malformed = contents.malformed + [m for _, c in pending for m in c.malformed]
+            _write_atomic(path, _dump(merged.entries, malformed))
+            for side, _ in pending:
+                side.unlink(missing_ok=True)
+    except filelock.Timeout:
+        raise DBError(f"instance DB {path}: its lock was not free within {LOCK_TIMEOUT_S:g} s (other "
+                      "saves); nothing was written") from None
+    _changed()
+    return InstanceDB(merged.entries, path, on_disk.skipped), len(on_disk.entries)
+
+
 def write_db(path: Path | str, entries: Iterable[Entry]) -> None:
     """Write a DB file holding exactly `entries` (replacing what is there), under its lock, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = _destination(path)
     with _lock(path):
         _clean_temps(path)
         _write_atomic(path, _dump(sorted(entries, key=_sort_key)))

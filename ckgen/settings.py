@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import platformdirs
@@ -9,11 +10,11 @@ import platformdirs
 ENV_DB = "CKGEN_DB"  # path of the user instance DB
 ENV_CACHE = "CKGEN_CACHE_DIR"  # folder for the user DB and optuna studies
 ENV_KERNEL_CACHE = "CKGEN_KERNEL_CACHE"  # folder for compiled kernels (default: <cache dir>/kernels)
-ENV_QUIET = "CKGEN_QUIET"  # "1": no fallback notices (the dispatcher's, and ckgen.torch's fallbacks to PyTorch)
+ENV_QUIET = "CKGEN_QUIET"  # "1" (or true/yes/on): no fallback notices (the dispatcher's, and ckgen.torch's fallbacks to PyTorch)
 ENV_ROCM = "CKGEN_ROCM_PATH"  # a ROCm root (include/hip, device bitcode) for offline HIP builds
 ENV_SHIPPED = "CKGEN_SHIPPED_DB"  # another file in place of the packaged DB (a missing file: none)
 ENV_MODEL = "CKGEN_MODEL"  # the config cost model file in place of the user's/packaged one; "off": none
-ENV_TUNE = "CKGEN_TUNE"  # "1": online tuning (ckgen/online.py): a problem's first call tunes it if no DB entry has it
+ENV_TUNE = "CKGEN_TUNE"  # "1" (or true/yes/on): online tuning (ckgen/online.py): a problem's first call tunes it if no DB entry has it
 ENV_TUNE_TRIALS = "CKGEN_TUNE_TRIALS"  # online tuning: configs measured per problem (default TUNE_TRIALS)
 ENV_TUNE_MAX_S = "CKGEN_TUNE_MAX_S"  # online tuning: wall-time cap per problem's search, in seconds (default none)
 TUNE_TRIALS = 12
@@ -40,12 +41,43 @@ def study_storage_url() -> str:
 
 
 def quiet() -> bool:
-    return os.environ.get(ENV_QUIET, "") == "1"
+    return flag(ENV_QUIET)
+
+
+TRUTHY = ("1", "true", "yes", "on")
+FALSY = ("", "0", "false", "no", "off")
+
+
+class SettingWarning(UserWarning):
+    """An environment variable of ckgen holds a value it does not understand; its default is used."""
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(name: str, value: str, message: str) -> None:
+    if (name, value) not in _warned:
+        _warned.add((name, value))
+        warnings.warn(message, SettingWarning, stacklevel=3)
+
+
+def flag(name: str) -> bool:
+    """An on/off variable: 1/true/yes/on (any case) is on; unset, empty, 0/false/no/off is off.
+    Anything else is off too, with one SettingWarning naming the variable and the value (a typo
+    must not pass for a choice)."""
+    value = os.environ.get(name, "")
+    word = value.strip().lower()
+    if word in TRUTHY:
+        return True
+    if word not in FALSY:
+        _warn_once(name, value, f"${name}={value[:40]!r} is neither on ({'/'.join(TRUTHY)}) nor off "
+                                f"({'/'.join(FALSY[1:])}); taken as off")
+    return False
 
 
 def tune_enabled() -> bool:
-    """$CKGEN_TUNE is "1" (what a `ckgen.tuning()` block says wins over it)."""
-    return os.environ.get(ENV_TUNE, "") == "1"
+    """$CKGEN_TUNE is on (`flag`; what a `ckgen.tuning()` block says wins over it)."""
+    return flag(ENV_TUNE)
 
 
 def tune_trials() -> int:
@@ -63,7 +95,8 @@ def tune_trials() -> int:
 
 
 def tune_max_seconds() -> float | None:
-    """$CKGEN_TUNE_MAX_S (seconds > 0), else None (no cap); ValueError naming it if malformed."""
+    """$CKGEN_TUNE_MAX_S (seconds > 0; inf: no cap, as math.inf in a `ckgen.tuning()` block),
+    else None (no cap); ValueError naming it if malformed."""
     value = os.environ.get(ENV_TUNE_MAX_S, "").strip()
     if not value:
         return None
@@ -71,8 +104,8 @@ def tune_max_seconds() -> float | None:
         s = float(value)
     except ValueError:
         s = float("nan")
-    if not 0 < s < float("inf"):
-        raise ValueError(f"${ENV_TUNE_MAX_S}: expected a number of seconds > 0, got {value[:40]!r}")
+    if not s > 0:  # also NaN
+        raise ValueError(f"${ENV_TUNE_MAX_S}: expected a number of seconds > 0 (or inf: no cap), got {value[:40]!r}")
     return s
 
 

@@ -69,11 +69,15 @@ def device_info(device_id: int | None = None) -> DeviceInfo:
     props = cupy.cuda.runtime.getDeviceProperties(dev.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     if cupy.cuda.runtime.is_hip:
-        arch = props.get("gcnArchName", b"gfx000")
+        arch = props.get("gcnArchName", b"")
         arch = (arch.decode() if isinstance(arch, bytes) else arch).split(":")[0]
     else:
         arch = f"sm_{props['major']}{props['minor']}"
-    return DeviceInfo(Target.named(arch), name, int(props["multiProcessorCount"]), int(props["l2CacheSize"]))
+    try:
+        target = Target.named(arch)
+    except ValueError:  # a device property ckgen cannot read as an arch: no kernel could be built for it
+        raise NoGPUError(f"no usable GPU ({name} reports arch {arch!r}, which is not an arch name ckgen knows)") from None
+    return DeviceInfo(target, name, int(props["multiProcessorCount"]), int(props["l2CacheSize"]))
 
 
 def current_target() -> Target:

@@ -31,6 +31,9 @@ from .ops.spec import OpSpec, Problem
 from .types import Config, Target
 from .target import DeviceInfo
 from .verify import Harness
+from .storage_url import quiet_heartbeat_notices
+
+quiet_heartbeat_notices()  # before any tuner thread saves the warning filters
 
 # Configs proposed ahead of the one being measured: they compile in parallel while the GPU
 # measures, and the next proposal is made from every result but theirs. Chosen on the recorded
@@ -169,6 +172,7 @@ def open_storage(storage: Any) -> Any:
     schema created under a file lock (concurrent first runs on a fresh file raced on it); for
     PostgreSQL, under an advisory lock. Other
     values (None: in memory, a storage object) are returned as they are."""
+    quiet_heartbeat_notices()
     if not isinstance(storage, str):
         return storage
     import contextlib

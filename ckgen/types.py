@@ -19,9 +19,13 @@ DTYPES: dict[str, dict[str, Any]] = {
 }
 LAYOUTS = ("nchw", "nhwc")
 # Arch names, whole: they name folders (`ckgen generate` writes generated/<arch>/), so nothing
-# else (a path separator, "..") may pass.
-_CUDA_ARCH = re.compile(r"sm_([0-9]+)a?")
-_HIP_ARCH = re.compile(r"gfx[0-9a-f]+")
+# else (a path separator, "..") may pass; and only names of the form a GPU has, so a typo
+# (sm_9, gfxfff) is an error rather than a target nothing can run: NVIDIA sm_<major><minor>[a],
+# major 1-99 without a leading zero (sm_10 ... sm_90a, sm_100, sm_120); AMD gfx<major><minor>
+# <stepping>, major 6-19 in decimal, minor a digit, stepping a hex digit (gfx803, gfx90a, gfx942,
+# gfx1100).
+_CUDA_ARCH = re.compile(r"sm_([1-9][0-9]?[0-9])a?")
+_HIP_ARCH = re.compile(r"gfx(?:[6-9]|1[0-9])[0-9][0-9a-f]")
 
 
 INT32_MAX = 2**31 - 1  # every integer a template or a kernel argument holds is a 32-bit int
@@ -99,15 +103,16 @@ class Target:
 
     @classmethod
     def named(cls, arch: str) -> "Target":
-        """The target of an arch name: `sm_<digits>[a]` (NVIDIA) or `gfx<hex digits>` (AMD)."""
+        """The target of an arch name: `sm_<major><minor>[a]` (NVIDIA) or `gfx<major><minor><stepping>`
+        (AMD); ValueError for any other name (see _CUDA_ARCH, _HIP_ARCH)."""
         cuda = _CUDA_ARCH.fullmatch(arch) if isinstance(arch, str) else None
         if cuda:
             return cls("cuda", arch, 32, int(cuda.group(1)) >= 90)
         if isinstance(arch, str) and _HIP_ARCH.fullmatch(arch):
-            # wave64 on CDNA (gfx9xx), wave32 on RDNA (gfx10xx and later)
-            return cls("hip", arch, 64 if arch.startswith("gfx9") else 32, False)
-        raise ValueError(f"target: unknown arch {short_repr(arch)}; use sm_<digits>[a] (NVIDIA, e.g. sm_90) or "
-                         "gfx<hex digits> (AMD, e.g. gfx942)")
+            # wave64 on GCN and CDNA (a one-digit major: gfx8xx, gfx9xx), wave32 on RDNA (gfx10xx and later)
+            return cls("hip", arch, 64 if len(arch) == len("gfx9xx") else 32, False)
+        raise ValueError(f"target: unknown arch {short_repr(arch)}; use sm_<major><minor>[a] (NVIDIA, e.g. sm_90, "
+                         "sm_100) or gfx<major><minor><stepping> (AMD, e.g. gfx90a, gfx942, gfx1100)")
 
 
 @dataclass(frozen=True)

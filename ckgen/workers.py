@@ -653,17 +653,11 @@ def pull_entries(url: str) -> Pulled:
     templates, the winner of its latest final round (`ckgen tune --workers`) if it has one, else its
     best complete trial (every complete trial passed verification). Provenance: the device (in the
     entry's target), the worker's host, the trials, the date. Studies with trials still running,
-    of other template versions, or of unknown ops are skipped, with the reason."""
+    of other template versions, or of unknown ops are skipped, with the reason; so is a study
+    whose data cannot make an entry (one study's bad data never stops the pull)."""
     import optuna
-    from optuna.trial import TrialState
 
-    from . import __version__
-    from .bench import gbps
     from .codegen import templates_digest
-    from .db import DBError, Entry
-    from .instance import render_instance
-    from .sampler import FAILURE_ATTR
-    from .types import Target
 
     storage = tune.open_storage(url)
     digest = templates_digest()[:12]
@@ -671,61 +665,86 @@ def pull_entries(url: str) -> Pulled:
     for name in sorted(optuna.get_all_study_names(storage)):
         if name.startswith(RUN_PREFIX):
             continue
-        parts = name.split("|")
-        if len(parts) != 5:
-            out.skipped.append(f"{name}: not a ckgen study")
-            continue
-        op_name, arch, device, key, dg = parts
-        if dg != digest:
-            out.skipped.append(f"{name}: tuned with other templates (digest {dg}, today {digest})")
-            continue
         try:
-            op, target = get_op(op_name), Target.named(arch)
-            problem = op.problem_from_key(key)
-        except (ValueError, TypeError, KeyError) as e:
-            out.skipped.append(f"{name}: {e}")
+            entry = _pull_study(storage, name, digest, out.skipped)
+        except (ValueError, TypeError, KeyError, AttributeError, ArithmeticError) as e:  # DBError is a ValueError
+            out.skipped.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
             continue
-        study_id = storage.get_study_id_from_name(name)
-        trials = storage.get_all_trials(study_id, deepcopy=False)
-        if any(t.state == TrialState.RUNNING for t in trials):
-            out.skipped.append(f"{name}: trials still running")
-            continue
-        attrs = storage.get_study_user_attrs(study_id)
-        finals = [v for k, v in attrs.items() if k.startswith("ckgen:") and k.endswith(":result")
-                  and isinstance(v, dict) and "entry" in v]
-        if finals:
-            latest = max(finals, key=lambda v: v.get("date", ""))
-            try:
-                out.entries.append(Entry.from_dict(latest["entry"]))
-                continue
-            except DBError as e:
-                out.skipped.append(f"{name}: its final result is not a DB entry ({e}); using its best trial")
-        names = list(op.space.params)
-        complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
-                    and math.isfinite(t.value) and set(t.params) == set(names)]
-        usable = [t for t in complete if op.validate(problem, Config.of(t.params), target)]
-        if not usable:
-            out.skipped.append(f"{name}: no complete trial valid today")
-            continue
-        best = min(usable, key=lambda t: (t.value, t.number))
-        cfg = Config.of(best.params)
-        src = render_instance(op, problem, cfg, target)
-        default = op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
-        default_us = min((t.value for t in usable if Config.of(t.params) == default), default=-1.0)
-        measured = [t for t in trials if t.state == TrialState.COMPLETE or
-                    (t.state == TrialState.FAIL and FAILURE_ATTR in t.user_attrs)]
-        worker = str(best.user_attrs.get(WORKER_ATTR, ""))
-        when = best.datetime_complete or best.datetime_start
-        prov: dict[str, Any] = {"ckgen": __version__, "source": "db pull", "trials": len(measured),
-                                "study": name}
-        if when is not None:
-            prov["date"] = when.astimezone(_dt.timezone.utc).isoformat(timespec="seconds")
-        if worker:
-            prov["host"], prov["worker"] = worker.rsplit(":", 1)[0], worker
-        spread = best.user_attrs.get("spread")
-        out.entries.append(Entry(
-            op=op.name, vendor=target.vendor, arch=target.arch, device=device, problem=problem.key(),
-            config=cfg.items, instance=src.name, source_sha256=src.sha256, time_us=round(best.value, 3),
-            gbps=round(gbps(op.min_bytes(problem), best.value), 1), default_time_us=round(default_us, 3),
-            spread=spread if isinstance(spread, (int, float)) else None, provenance=tuple(sorted(prov.items()))))
+        if entry is not None:
+            out.entries.append(entry)
     return out
+
+
+def _pull_study(storage: Any, name: str, digest: str, skipped: list[str]) -> Any:
+    """The DB entry of one study for `pull_entries`, or None with the reason in `skipped`."""
+    from optuna.trial import TrialState
+
+    from . import __version__
+    from .bench import gbps
+    from .db import DBError, Entry
+    from .instance import render_instance
+    from .sampler import FAILURE_ATTR
+    from .types import Target
+
+    parts = name.split("|")
+    if len(parts) != 5:
+        skipped.append(f"{name}: not a ckgen study")
+        return None
+    op_name, arch, device, key, dg = parts
+    if dg != digest:
+        skipped.append(f"{name}: tuned with other templates (digest {dg}, today {digest})")
+        return None
+    try:
+        op, target = get_op(op_name), Target.named(arch)
+        problem = op.problem_from_key(key)
+    except (ValueError, TypeError, KeyError) as e:
+        skipped.append(f"{name}: {e}")
+        return None
+    study_id = storage.get_study_id_from_name(name)
+    trials = storage.get_all_trials(study_id, deepcopy=False)
+    if any(t.state == TrialState.RUNNING for t in trials):
+        skipped.append(f"{name}: trials still running")
+        return None
+    attrs = storage.get_study_user_attrs(study_id)
+    finals = [v for k, v in attrs.items() if k.startswith("ckgen:") and k.endswith(":result")
+              and isinstance(v, dict) and "entry" in v]
+    if finals:
+        # the latest by its ISO date; a date of another type (not written by ckgen) sorts first
+        latest = max(finals, key=lambda v: (isinstance(v.get("date"), str), str(v.get("date"))))
+        try:
+            got = Entry.from_dict(latest["entry"])
+            if got.ident != (op.name, target.arch, problem.key()):
+                raise DBError(f"it is for {' '.join(got.ident)}, not for this study's problem")
+            return got
+        except DBError as e:
+            skipped.append(f"{name}: its final result is not a DB entry ({e}); using its best trial")
+    names = list(op.space.params)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
+                and math.isfinite(t.value) and set(t.params) == set(names)]
+    usable = [t for t in complete if op.validate(problem, Config.of(t.params), target)]
+    if not usable:
+        skipped.append(f"{name}: no complete trial valid today")
+        return None
+    best = min(usable, key=lambda t: (t.value, t.number))
+    cfg = Config.of(best.params)
+    src = render_instance(op, problem, cfg, target)
+    default = op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
+    default_us = min((t.value for t in usable if Config.of(t.params) == default), default=-1.0)
+    measured = [t for t in trials if t.state == TrialState.COMPLETE or
+                (t.state == TrialState.FAIL and FAILURE_ATTR in t.user_attrs)]
+    worker = str(best.user_attrs.get(WORKER_ATTR, ""))
+    when = best.datetime_complete or best.datetime_start
+    prov: dict[str, Any] = {"ckgen": __version__, "source": "db pull", "trials": len(measured),
+                            "study": name}
+    if when is not None:
+        prov["date"] = when.astimezone(_dt.timezone.utc).isoformat(timespec="seconds")
+    if worker:
+        prov["host"], prov["worker"] = worker.rsplit(":", 1)[0], worker
+    spread = best.user_attrs.get("spread")
+    if isinstance(spread, bool) or not isinstance(spread, (int, float)) or not math.isfinite(spread):
+        spread = None  # not recorded, or not a measure (the entry's other fields still are)
+    return Entry(
+        op=op.name, vendor=target.vendor, arch=target.arch, device=device, problem=problem.key(),
+        config=cfg.items, instance=src.name, source_sha256=src.sha256, time_us=round(best.value, 3),
+        gbps=round(gbps(op.min_bytes(problem), best.value), 1), default_time_us=round(default_us, 3),
+        spread=spread, provenance=tuple(sorted(prov.items())))

@@ -285,3 +285,146 @@ def test_bench_report_from_rows(tmp_path: Path) -> None:
     assert "geomean speedup: 2.45x over eager, 2.00x over torch.compile" in text  # sqrt(3 * 2), 2
     assert "| groupnorm_fwd | N=2,C=320 | 10.0 | 30.0 | 20.0 | 3.00x | 2.00x | tuned | F.group_norm |" in text
     assert "error: ValueError: x: bad" in text and "torch.compile failed: BackendCompilerFailed" in text
+
+
+# ------------------------------------------------------------------ issue 53: DB text on a terminal, bad places and paths
+
+HOSTILE = "Evil\x1b[2J\x1b]0;pwned\x07GPU\nop\tfake row\r\x9b31m\u202e"
+
+
+def _hostile_db(path: Path) -> dbmod.Entry:
+    """A DB as `db pull`/`db merge` may bring it from another machine: ESC sequences, newlines,
+    a C1 CSI and a bidi override in its device and instance strings (and in an arch, which only
+    has to be non-empty)."""
+    e = make_entries(1)[0]
+    e = dbmod.Entry(**{**e.__dict__, "device": HOSTILE, "instance": "ckgen_x\x1b[31m\nred"})
+    odd = dbmod.Entry(**{**e.__dict__, "arch": "sm_90\x1b[8m"})
+    dbmod.save_entries(path, [e, odd])
+    return e
+
+
+@pytest.mark.parametrize("argv", [["db", "show"], ["list"], ["db", "where"]])
+@pytest.mark.parametrize("fmt", ["table", "tsv"])
+def test_db_strings_are_shown_escaped_not_obeyed(inproc, tmp_path: Path, argv, fmt) -> None:
+    path = tmp_path / "hostile.yaml"
+    _hostile_db(path)
+    code, out, err = inproc(*argv, "--db", str(path), "--format", fmt)
+    assert code == 0, err
+    for raw in ("\x1b", "\x07", "\r", "\x9b", "\u202e"):
+        assert raw not in out, (raw, out)
+    if argv != ["db", "where"]:  # where shows counts per arch, not devices
+        assert "Evil\\x1b[2J\\x1b]0;pwned\\x07GPU\\nop\\tfake row\\r\\x9b31m\\u202e" in out
+    assert "sm_90\\x1b[8m" in out
+    lines = out.splitlines()
+    assert not any(line.startswith(("red", "fake", "op\tfake")) for line in lines)  # no forged row
+
+
+def test_json_keeps_db_strings_exact(inproc, tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "hostile.yaml"
+    _hostile_db(path)
+    code, out, _ = inproc("db", "show", "--db", str(path), "--format", "json")
+    assert code == 0 and "\x1b" not in out  # JSON escapes them itself
+    assert HOSTILE in {r["device"] for r in json.loads(out)["entries"]}
+
+
+def test_db_where_reports_a_bad_place_and_goes_on(inproc, tmp_path: Path, corrupt: Path, monkeypatch) -> None:
+    """A corrupt user DB (or shipped DB, or a --db that is a folder) is its row's state; every
+    other place is still listed. Exit code 1."""
+    shipped = tmp_path / "shipped.yaml"
+    dbmod.save_entries(shipped, make_entries(2))
+    monkeypatch.setenv("CKGEN_SHIPPED_DB", str(shipped))
+    folder = tmp_path / "dbdir"
+    folder.mkdir()
+    for db_arg, words in ((corrupt, "not valid YAML"), (folder, "is a directory")):
+        code, out, err = inproc("db", "where", "--db", str(db_arg))
+        places, entries = tsv(out)
+        by = {r["what"]: r for r in places}
+        assert code == 1 and "user DB" in err and len(err.strip().splitlines()) == 1, err
+        assert by["user DB"]["state"].startswith("unusable: ") and words in by["user DB"]["state"]
+        assert by["shipped DB"]["state"] == "2 entries" and {"cache dir", "cost model", "ROCm (offline HIP builds)"} < set(by)
+        assert sum(int(r["shipped"]) for r in entries) == 2
+    monkeypatch.setenv("CKGEN_SHIPPED_DB", str(corrupt))
+    code, out, err = inproc("db", "where")
+    by = {r["what"]: r for r in tsv(out)[0]}
+    assert code == 1 and by["shipped DB"]["state"].startswith("unusable: ") and by["user DB"]["state"].startswith("not created")
+
+
+def test_bad_output_paths_are_one_line_at_once(inproc, tmp_path: Path) -> None:
+    """`db merge -o` under a regular file, in a folder that cannot be created, or onto a device;
+    `generate --out` a file: one line naming the option, exit 2, before any work (no 60 s wait
+    for a lock that nobody holds, no traceback)."""
+    import time
+
+    src = tmp_path / "a.yaml"
+    dbmod.save_entries(src, make_entries(1))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    cases = [(["db", "merge", str(src), "-o", str(afile / "out.yaml")], "-o: ", "afile is not a directory"),
+             (["db", "merge", str(src), "-o", "/proc/ckgen-out.yaml"], "-o: ", "no file can be created in /proc"),
+             (["db", "merge", str(src), "-o", "/proc/ckgen/sub/out.yaml"], "-o: ", "cannot be created"),
+             (["db", "merge", str(src), "-o", "/dev/null"], "-o: ", "is a character device, not a regular file"),
+             (["generate", "--out", str(afile), "--no-compile", "--target", "sm_90", "--ops", "groupnorm_fwd"],
+              "--out: ", "is not a folder"),
+             (["generate", "--out", "/proc/ckgen/gen", "--no-compile", "--target", "sm_90", "--ops", "groupnorm_fwd"],
+              "--out: ", "cannot be created"),
+             (["tune", "groupnorm_fwd", "--db", str(afile / "db.yaml")], "--db: ", "is a file")]
+    for argv, option, words in cases:
+        t0 = time.monotonic()
+        code, out, err = inproc(*argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+        assert option in err and words in err and "Traceback" not in err, (argv, err)
+        assert time.monotonic() - t0 < 10, argv
+    assert stat_is_char_device("/dev/null")
+
+
+def stat_is_char_device(path: str) -> bool:
+    import stat
+
+    return stat.S_ISCHR(os.stat(path).st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_db_merge_into_a_read_only_folder_is_one_line(inproc, tmp_path: Path) -> None:
+    src, ro = tmp_path / "a.yaml", tmp_path / "ro"
+    dbmod.save_entries(src, make_entries(1))
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        code, _, err = inproc("db", "merge", str(src), "-o", str(ro / "out.yaml"))
+        assert code == 2 and "-o: " in err and "no file can be created" in err, err
+    finally:
+        ro.chmod(0o755)
+
+
+def test_generate_check_of_a_missing_folder_says_it_is_missing(inproc, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    code, out, err = inproc("generate", "--check", "--out", str(missing), "--target", "sm_90", "--ops", "groupnorm_fwd")
+    assert code == 2 and f"--out: {missing} does not exist" in err and "out of date" not in err, err
+    assert not missing.exists()
+
+
+def test_db_pull_of_a_storage_that_does_not_exist_is_an_error(inproc, tmp_path: Path) -> None:
+    """Not an empty study file created and "wrote 0 entries" (nothing was written)."""
+    db = tmp_path / "pulled.yaml"
+    for url, words in ((f"sqlite:///{tmp_path / 'typo.db'}", "the file does not exist"),
+                       (f"sqlite:///{tmp_path}", "is a directory")):
+        code, out, err = inproc("db", "pull", "--storage", url, "--db", str(db))
+        assert code == 2 and "--storage: " in err and words in err and "wrote" not in out + err, err
+    assert not (tmp_path / "typo.db").exists() and not db.exists()
+
+
+def test_db_pull_from_a_folder_that_takes_no_lock_file_fails_at_once(inproc, tmp_path: Path, monkeypatch) -> None:
+    """The study file's lock goes beside it: a folder where no file can be created made the pull
+    wait SQLITE_BUSY_S (120 s) and then say the lock was held. (/proc/version: a file in a folder
+    that takes no new file, even for root.)"""
+    import time
+
+    from ckgen import tune
+
+    monkeypatch.setattr(tune, "SQLITE_BUSY_S", 3)  # bounds the run before the fix
+    t0 = time.monotonic()
+    code, out, err = inproc("db", "pull", "--storage", "sqlite:////proc/version", "--db", str(tmp_path / "p.yaml"))
+    assert code == 2 and "--storage: /proc/version cannot be used: no file can be created in /proc" in err, err
+    assert "lock" not in err and time.monotonic() - t0 < 2.5

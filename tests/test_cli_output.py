@@ -186,7 +186,7 @@ def test_db_that_is_a_folder(run, tmp_path: Path, monkeypatch) -> None:
     folder = tmp_path / "dbdir"
     folder.mkdir()
     for argv in (["db", "show", "--db", str(folder)], ["db", "export", "--db", str(folder)],
-                 ["db", "where", "--db", str(folder)], ["--db", str(folder), "list"],
+                 ["--db", str(folder), "list"],
                  ["generate", "--db", str(folder), "--no-compile", "--out", str(tmp_path / "g")],
                  ["tune", "groupnorm_fwd", "--db", str(folder)], ["retune", "--db", str(folder)],
                  ["bench", "--db", str(folder)]):

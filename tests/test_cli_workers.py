@@ -139,3 +139,60 @@ def test_grids_are_problem_lists_of_the_spaces():
         assert {p.dtype for p in broad} == {"bf16", "fp16", "fp32"} and len(broad) > len(op.default_problems())
         assert op.grid_problems("broad", ["bf16"], ["nhwc"], None) == [p for p in broad if p.dtype == "bf16"
                                                                          and p.layout == "nhwc"]
+
+
+def test_db_pull_skips_what_one_study_gets_wrong_and_pulls_the_others(inproc, tmp_path):
+    """Issue 53: a best trial with a non-finite spread aborted the whole pull; final results with
+    dates of mixed types ended in a traceback; a final result for another op was pulled as it
+    was. Each is now that study's matter: the others are pulled."""
+    import optuna
+    from optuna.trial import create_trial
+
+    from ckgen.tune import study_name
+    from ckgen.types import Config
+
+    storage = f"sqlite:///{tmp_path / 's.sqlite3'}"
+    keys = wtimes.KEYS[:3]
+    names = {k: study_name(OP, OP.problem_from_key(k), wtimes.SM90, "Some GPU") for k in keys}
+    studies = {}
+    for key, name in names.items():  # studies as a plain search leaves them: complete trials of valid configs
+        studies[key] = optuna.create_study(study_name=name, storage=storage)
+        for cfg in sorted(wtimes.subset(key), key=Config.key)[:3]:
+            studies[key].add_trial(create_trial(
+                params=cfg.as_dict(), value=wtimes.time_of(key, cfg) or 500.0,
+                distributions={k: optuna.distributions.CategoricalDistribution(vs) for k, vs in OP.space.params.items()}))
+    clean = tmp_path / "clean.yaml"
+    assert inproc("db", "pull", "--storage", storage, "--db", str(clean))[0] == 0
+    pulled = {e.problem: e for e in dbmod.InstanceDB.load(clean).entries}
+    # 1: a faster trial of the best config with a spread of inf
+    best = studies[keys[0]].best_trial
+    studies[keys[0]].add_trial(create_trial(params=best.params, distributions=best.distributions, value=best.value / 2,
+                                            user_attrs={"spread": float("inf")}))
+    # 2: two final results, dated by an ISO string and by a number
+    later = dbmod.Entry(**{**pulled[keys[1]].__dict__, "time_us": 1.25})
+    studies[keys[1]].set_user_attr("ckgen:r1:result", {"entry": later.to_dict(), "date": "2030-01-01T00:00:00+00:00"})
+    studies[keys[1]].set_user_attr("ckgen:r2:result", {"entry": pulled[keys[1]].to_dict(), "date": 5})
+    # 3: a final result that is an entry of another op
+    gn = get_gn_entry()
+    studies[keys[2]].set_user_attr("ckgen:r1:result", {"entry": gn.to_dict(), "date": "2030-01-01T00:00:00+00:00"})
+    out_db = tmp_path / "pulled.yaml"
+    code, out, err = inproc("db", "pull", "--storage", storage, "--db", str(out_db), "--format", "json")
+    assert code == 0, err
+    got = {e.problem: e for e in dbmod.InstanceDB.load(out_db).entries}
+    assert set(got) == set(keys) and all(e.op == OP.name for e in got.values())
+    assert got[keys[0]].time_us == round(best.value / 2, 3) and got[keys[0]].spread is None
+    assert got[keys[1]].time_us == 1.25
+    assert got[keys[2]].config == pulled[keys[2]].config  # its best trial, not the other op's entry
+    skipped = json.loads(out)["skipped"]
+    assert len(skipped) == 1 and skipped[0].startswith(names[keys[2]]) and "not for this study's problem" in skipped[0]
+    assert f"skipped {names[keys[2]]}: " in err
+
+
+def get_gn_entry() -> dbmod.Entry:
+    from ckgen.ops import get_op
+
+    gn = get_op("groupnorm_fwd")
+    p = gn.parse_problem(N=2, C=320, H=8, W=8, G=32, dtype="bf16", layout="nhwc")
+    return dbmod.Entry(op=gn.name, vendor="cuda", arch="sm_90", device="Some GPU", problem=p.key(),
+                       config=gn.space.default.items, instance="ckgen_groupnorm_fwd_x", source_sha256="ab" * 32,
+                       time_us=0.5, gbps=1.0, default_time_us=1.0)

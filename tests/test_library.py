@@ -128,15 +128,19 @@ def test_cli_generate_and_check(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("arch", ["gfx90a/../../../victim", "gfx90a/..", "sm_90/../x", "../sm_90", "sm_90 ",
-                                  "sm_90\n", "gfx", "gfxzz", "GFX90A", "sm_", "sm_9b", "sm_٩٠", "gfx90a:xnack-", ""])
+                                  "sm_90\n", "gfx", "gfxzz", "GFX90A", "sm_", "sm_9b", "sm_٩٠", "gfx90a:xnack-", "",
+                                  "sm_1", "sm_9", "sm_09", "sm_1000", "gfxfff", "gfx000", "gfx9", "gfx90", "gfx4a0",
+                                  "gfx20a0", "gfx11000"])
 def test_target_names_are_strict(arch):
     with pytest.raises(ValueError, match="^target: unknown arch"):
         Target.named(arch)
 
 
 @pytest.mark.parametrize("arch, vendor, warp, clusters", [("sm_80", "cuda", 32, False), ("sm_90a", "cuda", 32, True),
-                                                          ("sm_100", "cuda", 32, True), ("gfx90a", "hip", 64, False),
-                                                          ("gfx942", "hip", 64, False), ("gfx1100", "hip", 32, False)])
+                                                          ("sm_100", "cuda", 32, True), ("sm_120", "cuda", 32, True),
+                                                          ("sm_10", "cuda", 32, False), ("gfx90a", "hip", 64, False),
+                                                          ("gfx942", "hip", 64, False), ("gfx803", "hip", 64, False),
+                                                          ("gfx1100", "hip", 32, False), ("gfx1201", "hip", 32, False)])
 def test_target_names_that_pass(arch, vendor, warp, clusters):
     assert Target.named(arch) == Target(vendor, arch, warp, clusters)
 

@@ -114,11 +114,40 @@ def test_quiet_silences_the_progress_line(d, tuner, monkeypatch, caplog) -> None
     assert not [r for r in caplog.records if r.name == "ckgen"] and len(tuner.calls) == 1
 
 
-def test_other_values_of_the_env_do_not_turn_it_on(d, tuner, monkeypatch) -> None:
-    for value in ("0", "", "yes"):
-        monkeypatch.setenv("CKGEN_TUNE", value)
+def test_the_env_takes_the_usual_words_for_on_and_off(d, tuner, monkeypatch) -> None:
+    """CKGEN_TUNE=true|yes|on meant off, silently; now the usual words mean what they say, and
+    a word that is neither is off with one warning naming the variable."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these warns
+        for value in ("1", "true", "Yes", "ON", " on "):
+            monkeypatch.setenv("CKGEN_TUNE", value)
+            assert online.budget() == online.Budget(12, None), value
+        for value in ("0", "", "false", "No", "off"):
+            monkeypatch.setenv("CKGEN_TUNE", value)
+            assert online.budget() is None, value
+    monkeypatch.setenv("CKGEN_TUNE", "maybe")
+    with pytest.warns(settings.SettingWarning, match=r"\$CKGEN_TUNE='maybe' is neither on .* taken as off"):
         assert online.budget() is None
     assert d.choose(OP, P, SM90, site=HERE)[0].source == "default" and not tuner.calls
+
+
+def test_tune_max_s_inf_is_no_cap_as_documented(monkeypatch) -> None:
+    import math
+    import warnings
+
+    monkeypatch.setenv("CKGEN_TUNE", "1")
+    for value in ("inf", "Infinity"):
+        monkeypatch.setenv("CKGEN_TUNE_MAX_S", value)
+        assert settings.tune_max_seconds() == math.inf
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not "malformed, using no cap"
+            assert online.budget() == online.Budget(12, None)
+    for value in ("0", "-inf", "nan", "soon"):
+        monkeypatch.setenv("CKGEN_TUNE_MAX_S", value)
+        with pytest.raises(ValueError, match=r"\$CKGEN_TUNE_MAX_S: expected a number of seconds > 0"):
+            settings.tune_max_seconds()
 
 
 def test_tuning_block_turns_it_on_and_only_inside(d, tuner) -> None:

@@ -9,12 +9,10 @@ optuna storage (SQLite under the cache dir). The winner is picked among the best
 timings, interleaved over several rounds, by median."""
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures as cf
 import datetime as _dt
 import math
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -26,6 +24,7 @@ from typing import Any, Callable
 from . import settings
 from .bench import Timer, Timing, gbps
 from .compile import CompileError, compile_many, ensure_cubin
+from .compile import pool as compile_pool
 from .instance import render_instance
 from .ops.spec import OpSpec, Problem
 from .types import Config, Target
@@ -335,16 +334,9 @@ def _compile_job(src: Any, target: Target, cache: str) -> str | None:
         return e.log.strip()[-400:]
 
 
-_jobs: cf.ProcessPoolExecutor | None = None
-
-
 def _job_pool() -> cf.ProcessPoolExecutor:
-    global _jobs
-    if _jobs is None:
-        workers = max(1, min(16, (os.cpu_count() or 2) - 1))
-        _jobs = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
-        atexit.register(_jobs.shutdown)
-    return _jobs
+    """The compile pool of this process (`compile.pool`: shut down by `compile.close_pool`)."""
+    return compile_pool()
 
 
 class _Objective:

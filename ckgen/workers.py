@@ -46,6 +46,8 @@ from typing import Any, Callable
 
 from . import tune
 from .bench import Timing
+from .compile import pool_closed as compile_pool_closed
+from .compile import share_cpus as compile_share_cpus
 from .ops import get_op
 from .ops.spec import OpSpec, Problem
 from .types import Config
@@ -459,50 +461,69 @@ def worker_main(index: int, spec: RunSpec, events: Any, workers: int = 1) -> Non
     """A worker process: measures with `spec.backend()`, reports to `events` (the write end of a
     pipe of its own) as (kind, worker index, ...) tuples: hello, problem, trial, result, skip,
     error, bye. Not a multiprocessing.Queue shared by the workers: its feeder threads share a
-    lock, and a worker killed while holding it would leave the others hanging at exit."""
+    lock, and a worker killed while holding it would leave the others hanging at exit.
+
+    The compile pool the work started is shut down before "bye", however the work ended: a
+    multiprocessing child leaves through os._exit, never running atexit, and multiprocessing's
+    exit joins the pool's processes, which wait for work forever (`compile.pool`)."""
     lock = threading.Lock()
 
     def emit(kind: str, *rest: Any) -> None:
         with lock:
             events.send((kind, index, *rest))
 
+    code = 0
     try:
-        if spec.heartbeat_s is not None:
-            tune.HEARTBEAT_S = spec.heartbeat_s
-        if spec.grace_s is not None:
-            tune.GRACE_S = spec.grace_s
-        _share_compile_pool(workers)
-        import optuna
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        warnings.filterwarnings("ignore", message="Heartbeat of storage")
-        backend = (spec.backend or GpuBackend)()
-        w = _Worker(index, spec, backend, emit)
-        w.spec_workers = workers
-        emit("hello", w.info.name, w.target.arch, w.host, os.getpid(), w.run_id,
-             os.environ.get("CUDA_VISIBLE_DEVICES"))
-        w.run()
+        with compile_pool_closed():
+            _work(index, spec, emit, workers)
         emit("bye")
     except tune.StudyStorageError as e:
-        emit("error", None, str(e))
-        sys.exit(STORAGE_EXIT)
+        code = STORAGE_EXIT
+        _report(emit, str(e))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which says which worker
-        emit("error", None, f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}")
-        sys.exit(1)
+        code = 1
+        _report(emit, f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}")
+    finally:
+        events.close()  # the parent sees EOF now, not when the process is reaped
+    if code:
+        sys.exit(code)
 
 
-def _share_compile_pool(workers: int) -> None:
-    """The workers of one machine share its CPUs for compiling: each gets a pool of its share."""
-    import concurrent.futures as cf
+def _report(emit: Callable[..., None], why: str) -> None:
+    try:
+        emit("error", None, why)
+    except OSError:  # the parent is gone (its pipe broke): nobody to tell
+        pass
 
-    if workers <= 1:
-        return
-    n = max(1, min(16, ((os.cpu_count() or 2) - 1) // workers))
-    tune._jobs = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"))
-    import atexit
 
-    atexit.register(tune._jobs.shutdown)
+def _work(index: int, spec: RunSpec, emit: Callable[..., None], workers: int) -> None:
+    if spec.heartbeat_s is not None:
+        tune.HEARTBEAT_S = spec.heartbeat_s
+    if spec.grace_s is not None:
+        tune.GRACE_S = spec.grace_s
+    compile_share_cpus(workers)  # the workers of this machine share its CPUs for compiling
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage")
+    backend = (spec.backend or GpuBackend)()
+    w = _Worker(index, spec, backend, emit)
+    w.spec_workers = workers
+    emit("hello", w.info.name, w.target.arch, w.host, os.getpid(), w.run_id,
+         os.environ.get("CUDA_VISIBLE_DEVICES"))
+    w.run()
+
+
+# A worker that finished (said "bye", or closed its pipe) and has not exited this many seconds later
+# is stopped (SIGTERM, then SIGKILL) and reported: its work is done and stored, and nothing it
+# could still be doing is worth the run never ending (the exit of a worker whose compile pool was
+# left running never came: `worker_main`).
+EXIT_GRACE_S = 30.0
+KILL_AFTER_S = 10.0  # after SIGTERM, before SIGKILL
+# A worker silent this long (no trial, result or other event) is reported, and again each time as
+# long: it may be in a long final round or compile, so it is not stopped.
+QUIET_S = 600.0
 
 
 @dataclass
@@ -516,6 +537,7 @@ class WorkerInfo:
     run_id: str = ""
     exitcode: int | None = None
     error: str | None = None
+    finished: bool = False  # it said "bye": its work ended normally
 
 
 @dataclass
@@ -529,11 +551,30 @@ class RunReport:
         return [w for w in self.workers if w.exitcode not in (0, None)]
 
 
+def exit_reason(code: int) -> str:
+    """A worker's exit code in words: 'signal 9 (SIGKILL)', 'exit code 1'."""
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
 def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
-                on_event: Callable[..., None] | None = None, poll: float = 0.2) -> RunReport:
+                on_event: Callable[..., None] | None = None, poll: float = 0.2,
+                exit_grace: float = EXIT_GRACE_S, quiet: float = QUIET_S) -> RunReport:
     """Start `workers` processes (spawned; worker i pinned to devices[i % len(devices)] through
     CUDA_VISIBLE_DEVICES when devices are given), pass their events to `on_event(event, procs)`
-    until every one has exited, then read every problem's result from the storage."""
+    until every one has exited, then read every problem's result from the storage.
+
+    Events beside the workers' own: ("exit", i, exit code) when worker i has exited (a negative
+    code: the signal that killed it); ("stuck", i, seconds) when it finished but had not exited
+    `exit_grace` seconds later, and is stopped; ("quiet", i, seconds) when it has sent nothing for
+    that long (every `quiet` seconds). The parent never waits on a worker without a bound: a
+    dead worker is seen by its pipe's EOF and its exit, a stuck one is stopped."""
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")
@@ -548,7 +589,7 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=worker_main, args=(info.index, spec, w, workers), daemon=False)
             p.start()
-            w.close()  # the child holds the write end: EOF here when it exits or is killed
+            w.close()  # the child holds the write end: EOF here when it closes it, exits or is killed
             procs.append(p)
             readers[r] = info.index
     finally:
@@ -557,33 +598,75 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
+    heard = [time.monotonic()] * workers  # when each last sent an event
+    ended: dict[int, float] = {}  # worker -> when it said bye or closed its pipe
+    stopped: dict[int, float] = {}  # worker -> when it was sent SIGTERM
+
+    def tell(ev: tuple[Any, ...]) -> None:
+        if on_event is not None:
+            on_event(ev, procs)
+
     def handle(ev: tuple[Any, ...]) -> None:
         kind, i = ev[0], ev[1]
+        heard[i] = time.monotonic()
         if kind == "hello":
             infos[i].name, infos[i].arch, infos[i].host, infos[i].pid, infos[i].run_id = ev[2:7]
         elif kind == "error" and ev[2] is None:
             infos[i].error = ev[3]
-        if on_event is not None:
-            on_event(ev, procs)
+        elif kind == "bye":
+            infos[i].finished = True
+            ended.setdefault(i, time.monotonic())
+        tell(ev)
 
     def exits() -> None:
         for info, p in zip(infos, procs):
             if info.exitcode is None and p.exitcode is not None:
                 info.exitcode = p.exitcode
-                if on_event is not None:
-                    on_event(("exit", info.index, p.exitcode), procs)
+                if p.exitcode != 0 and info.error is None and info.index not in stopped:
+                    info.error = f"died ({exit_reason(p.exitcode)})" + ("" if info.finished else " before it finished")
+                tell(("exit", info.index, p.exitcode))
+
+    def watch() -> None:
+        """Stop a worker that finished but does not exit; report one that is silent."""
+        now = time.monotonic()
+        for info, p in zip(infos, procs):
+            i = info.index
+            if info.exitcode is not None or p.exitcode is not None:
+                continue
+            if i in stopped:
+                if now - stopped[i] > KILL_AFTER_S:
+                    p.kill()
+            elif i in ended and now - ended[i] > exit_grace:
+                info.error = (f"finished, but had not exited {exit_grace:.0f} s later: stopped "
+                              "(its results are stored; a process it started may have kept it alive)")
+                stopped[i] = now
+                tell(("stuck", i, now - ended[i]))
+                p.terminate()
+            elif i not in ended and now - heard[i] > quiet:
+                tell(("quiet", i, now - heard[i]))
+                heard[i] = now  # again after as long
 
     try:
-        while readers:  # until every worker's pipe is closed (it exited, or was killed)
-            for r in wait(list(readers), timeout=poll):
+        while readers or any(p.exitcode is None for p in procs):
+            # the pipes, and the exit of every worker still running (a worker can exit with its
+            # pipe still open only if something it started holds the pipe: its exit wakes us too)
+            sentinels = {p.sentinel: p for p in procs if p.exitcode is None}
+            for r in wait(list(readers) + list(sentinels), timeout=poll):
+                if r in sentinels:
+                    continue
                 try:
                     ev = r.recv()
                 except (EOFError, OSError):  # closed; a message cut by a kill is dropped
-                    del readers[r]
+                    ended.setdefault(readers.pop(r), time.monotonic())
                     r.close()
                     continue
                 handle(ev)
             exits()
+            for r, i in list(readers.items()):  # a worker gone with its pipe held open elsewhere
+                if procs[i].exitcode is not None and not r.poll():
+                    del readers[r]
+                    r.close()
+            watch()
         for p in procs:
             p.join()
         exits()
@@ -592,7 +675,10 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
             if p.exitcode is None:
                 p.terminate()
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=KILL_AFTER_S)
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=KILL_AFTER_S)
         raise
     results: dict[tuple[str, str], dict[str, Any]] = {}
     seen = {(w.name, w.arch, w.run_id) for w in infos if w.run_id}

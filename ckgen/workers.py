@@ -178,9 +178,16 @@ def _counted(t: Any) -> bool:
 class _Problem:
     problem: Problem
     name: str  # the study's
-    valid: list[Config]
     names: list[str]
+    restrict: Callable[[Config], bool] | None = None  # the backend's (`_Worker.valid`)
     study: Any = None
+    # Made when first needed, dropped when the problem is done (`_Worker.done`): the valid configs
+    # take a second or more of CPU per problem (groupnorm_bwd: 31k configs validated), an evaluator
+    # its problem's inputs and float64 reference; made up front for every problem, they delayed
+    # a worker's first trial by seconds per problem, and the final round made the search's again.
+    valid: list[Config] | None = None
+    index: frozenset[Config] | None = None
+    ev: Any = None  # the evaluator of this worker's search, reused by its final round
 
 
 class _RunBudget:
@@ -189,6 +196,11 @@ class _RunBudget:
     def __init__(self, worker: "_Worker", p: _Problem):
         self.w, self.p = worker, p
         self.study: Any = None
+        # the run's trials on this problem as the last `allow` read them (finished, best time), and
+        # how many this search had finished then: `progress` adds the ones finished here since,
+        # rather than reading every trial from the storage again after each trial
+        self.seen: tuple[int, float] = (0, math.inf)
+        self.local = self.seen_local = 0
 
     def allow(self, study: Any) -> bool:  # under the study's propose lock
         self.study = study
@@ -202,22 +214,28 @@ class _RunBudget:
         if w.left(start) <= 0:
             return False
         mine = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(RUN_ATTR) == w.run_id]
+        self.seen, self.seen_local = _finished(mine), self.local
         return sum(_counted(t) for t in mine) < w.spec.trials
 
     def tag(self, trial: Any) -> None:  # still under the lock
         trial.set_user_attr(RUN_ATTR, self.w.run_id)
         trial.set_user_attr(WORKER_ATTR, self.w.wid)
 
-    def progress(self) -> tuple[int, float]:
-        """(trials of the run finished on this problem, best time of the run's)."""
-        from optuna.trial import TrialState
+    def progress(self, done: int, best: float) -> tuple[int, float]:
+        """(trials of the run finished on this problem, best time of the run's), given this search's
+        (`done` trials finished, `best` time): the last `allow`'s reading and what finished here
+        since (exact with one worker; the others' since then show at the next reading)."""
+        self.local = done
+        return self.seen[0] + done - self.seen_local, min(self.seen[1], best)
 
-        if self.study is None:
-            return 0, math.inf
-        mine = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get(RUN_ATTR) == self.w.run_id]
-        done = sum(_counted(t) and t.state != TrialState.RUNNING for t in mine)
-        best = min((t.value for t in mine if t.state == TrialState.COMPLETE and t.value is not None), default=math.inf)
-        return done, best
+
+def _finished(trials: list[Any]) -> tuple[int, float]:
+    """(how many of `trials` are finished and spent budget, the best time among them)."""
+    from optuna.trial import TrialState
+
+    done = sum(_counted(t) and t.state != TrialState.RUNNING for t in trials)
+    best = min((t.value for t in trials if t.state == TrialState.COMPLETE and t.value is not None), default=math.inf)
+    return done, best
 
 
 class _Worker:
@@ -233,16 +251,30 @@ class _Worker:
         self.storage = tune.open_storage(spec.storage)
         self.optuna = optuna
         self.problems: dict[str, _Problem] = {}
+        self.done: set[str] = set()  # problems found DONE for this run: they stay so, never read again
         for key in spec.problems:
             problem = self.op.problem_from_key(key)
-            try:
-                valid = tune._valid_space(self.op, problem, self.target, backend.restrict(self.op, problem))
-            except RuntimeError as e:  # no valid config: reported, never tuned
-                emit("skip", key, str(e))
+            restrict = backend.restrict(self.op, problem)
+            # the first valid config, not all of them (`valid`): a problem with none is reported
+            if not any(self.op.validate(problem, c, self.target) and (restrict is None or restrict(c))
+                       for c in self.op.space.enumerate()):
+                emit("skip", key, f"{self.op.name} {problem.key()}: no config of the space is valid for this problem")
                 continue
             self.problems[key] = _Problem(problem, tune.study_name(self.op, problem, self.target, self.info.name),
-                                          valid, list(self.op.space.params))
+                                          list(self.op.space.params), restrict)
         self.run_id, self.deadline = self._join()
+
+    def valid(self, p: _Problem) -> list[Config]:
+        """Problem `p`'s valid configs (those the backend's restrict accepts), made once."""
+        if p.valid is None:
+            p.valid = tune._valid_space(self.op, p.problem, self.target, p.restrict)
+            p.index = frozenset(p.valid)
+        return p.valid
+
+    def _index(self, p: _Problem) -> frozenset[Config]:
+        self.valid(p)
+        assert p.index is not None
+        return p.index
 
     # -- the run record
     def _lock(self, name: str) -> Any:
@@ -293,28 +325,39 @@ class _Worker:
 
         from .sampler import config_of, settled
 
+        key = key_of(p)
+        if key in self.done:
+            return DONE, 0
         study = self._study(p)
         attrs = study.user_attrs
         if _key(self.run_id, "result") in attrs:
-            return DONE, 0
+            return self._done(p)
         trials = study.get_trials(deepcopy=False)
         mine = [t for t in trials if t.user_attrs.get(RUN_ATTR) == self.run_id]
         running = sum(t.state == TrialState.RUNNING for t in mine)
         start = attrs.get(_key(self.run_id, "start"))
         expired = self.left(start) <= 0
-        index = set(p.valid)
         held = {c for t in trials if t.state != TrialState.WAITING and settled(t)
-                and (c := config_of(t, p.names)) is not None and c in index}
-        if not expired and sum(_counted(t) for t in mine) < self.spec.trials and len(held) < len(index):
+                and (c := config_of(t, p.names)) is not None}
+        # every valid config held? (nothing held: no, without making the valid set)
+        room = not held or len(held & self._index(p)) < len(self._index(p))
+        if not expired and sum(_counted(t) for t in mine) < self.spec.trials and room:
             return SEARCH, running
         if running:
             return WAIT, running
         if expired and start is None:
-            return DONE, 0  # the time ran out before it began: not tuned
+            return self._done(p)  # the time ran out before it began: not tuned
         claim = attrs.get(_key(self.run_id, "final"))
         if claim and time.time() - claim.get("beat", 0) < tune.GRACE_S and claim.get("worker") != self.wid:
             return WAIT, 0
         return FINALIZE, 0
+
+    def _done(self, p: _Problem) -> tuple[str, int]:
+        """`p` is done for this run (its result is stored, or its time ran out before it began),
+        for good: it is not read again, and what was made for it is let go."""
+        self.done.add(key_of(p))
+        p.valid = p.index = p.ev = None
+        return DONE, 0
 
     def run(self) -> None:
         keys = list(self.problems)
@@ -326,8 +369,8 @@ class _Worker:
             states: dict[str, tuple[str, int]] = {}
             for key in order:
                 p = self.problems[key]
-                study = self._study(p)
-                self.optuna.storages.fail_stale_trials(study)  # trials of a dead worker: FAIL, proposable again
+                if key not in self.done:
+                    self.optuna.storages.fail_stale_trials(self._study(p))  # a dead worker's trials: proposable again
                 states[key] = self._state(p)
             if all(s == DONE for s, _ in states.values()):
                 self._close()
@@ -352,18 +395,21 @@ class _Worker:
         if left <= 0:
             return
         hook = _RunBudget(self, p)
-        ev = self.backend.evaluator(self.op, p.problem)
+        if p.ev is None:
+            p.ev = self.backend.evaluator(self.op, p.problem)
         key = p.problem.key()
         self.emit("problem", key, self.spec.trials)
 
         def on_trial(done: int, total: int, best: float) -> None:
-            run_done, run_best = hook.progress()
+            run_done, run_best = hook.progress(done, best)
             self.emit("trial", key, run_done, self.spec.trials, run_best, done)
 
-        tune.search(self.op, p.problem, self.target, self.info.num_sms, ev, trials=10**9,
+        # `trials`: the run's budget per problem, which `hook` holds the run to, and which sizes the
+        # seeds as it does for `ckgen tune --trials` (`tune._n_seeds`)
+        tune.search(self.op, p.problem, self.target, self.info.num_sms, p.ev, trials=self.spec.trials,
                     timeout=None if math.isinf(left) else left, storage=self.storage, seed=self.spec.seed,
                     sampler=self.spec.sampler, ahead=self.spec.ahead, on_trial=on_trial,
-                    restrict=self.backend.restrict(self.op, p.problem), device=self.info.name,
+                    restrict=p.restrict, device=self.info.name, valid=self.valid(p),
                     model_seeds=self.backend.model_seeds(self.op, p.problem, self.spec.trials),
                     record=self.backend.recorder(self.op, p.problem), run=hook,
                     model=self.backend.model())
@@ -413,14 +459,18 @@ class _Worker:
                     if t.state == TrialState.FAIL and set(t.params) == set(p.names)]
         workers = sorted({t.user_attrs.get(WORKER_ATTR, "") for t in measured} - {""})
         start = study.user_attrs.get(_key(self.run_id, "start"))
-        valid = set(p.valid)
+        valid = self._index(p)
         default_cfg = op.space.nearest_default(lambda c: c in valid)
-        ev = self.backend.evaluator(op, problem)
+        # this worker's search's evaluator if it searched the problem (its inputs, reference and
+        # verified kernels: one `ckgen tune` reuses them too), else a new one
+        ev, p.ev = p.ev or self.backend.evaluator(op, problem), None
+        before = len(ev.failures)  # the search's are in `failures` already (from the study)
         base = {"worker": self.wid, "host": self.host, "trials": len(measured), "failed": len(failures),
                 "workers": workers, "date": _now_iso()}
         ranked = tune.final_round(ev, study, default_cfg, valid, self.spec.rounds)
+        failures += ev.failures[before:]
         if not ranked:
-            why = f"no candidate passed verification; failures: {(failures + ev.failures)[:3]}"
+            why = f"no candidate passed verification; failures: {failures[:3]}"
             self.emit("error", key_of(p), why)
             return {**base, "error": why}
         record = self.backend.recorder(op, problem)
@@ -431,7 +481,7 @@ class _Worker:
         seconds = time.time() - start if start is not None else 0.0
         r = tune.TuneResult(op.name, problem, ranked[0], final.get(default_cfg), self.backend.copy(op, problem),
                             op.min_bytes(problem), trials=len(measured), pruned=0,
-                            failures=failures + ev.failures, seconds=seconds, finalists=ranked)
+                            failures=failures, seconds=seconds, finalists=ranked)
         prov = {**self.backend.provenance(r), "host": self.host, "worker": self.wid, "workers": len(workers),
                 "run": self.run_id}
         entry = tune.db_entry(r, self.info, prov)

@@ -130,3 +130,28 @@ def compile_in_child(count: int = 3) -> None:
     objective.start(configs)
     for c in configs:
         assert objective.pending[c].result(timeout=300) is None
+
+
+class CountingBackend:
+    """A ReplayBackend (`backend`) that also appends a line to `<log_dir>/evaluators-<pid>.txt`
+    for each evaluator it makes (the problem's key): how many harnesses a GPU worker would build."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.info = backend.info
+
+    def __call__(self) -> "CountingBackend":
+        return self
+
+    def evaluator(self, op, problem):
+        import os
+        from pathlib import Path
+
+        with open(Path(self.backend.log_dir) / f"evaluators-{os.getpid()}.txt", "a") as f:
+            f.write(problem.key() + "\n")
+        return self.backend.evaluator(op, problem)
+
+    def __getattr__(self, name: str):
+        if name == "backend":
+            raise AttributeError(name)
+        return getattr(self.backend, name)

@@ -406,6 +406,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
         info_out.print(f"[yellow]{n} workers share {plural(len(devices), 'GPU')}: their timings disturb each other[/]")
     key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))
     done: dict[str, int] = {}
+    stuck: set[int] = set()  # workers stopped because they finished but did not exit
     with Progress(key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
         total = bar.add_task(f"total ({plural(len(problems), 'problem')})", total=len(problems) * args.trials, best="")
@@ -424,11 +425,18 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
             elif kind == "result":
                 done[ev[2]] = max(done.get(ev[2], 0), ev[3].get("trials", 0))
                 bar.update(total, completed=sum(done.values()))
-            elif kind == "exit" and ev[2] != 0:
-                why = f"signal {-ev[2]}" if ev[2] < 0 else f"exit code {ev[2]}"
+            elif kind == "exit" and ev[2] != 0 and i not in stuck:
+                why = wk.exit_reason(ev[2])
                 info_out.print(f"[yellow]worker {i} died ({why}); its running trials are failed after "
-                               f"{wk.tune.GRACE_S} s and measured again by the others[/]")
+                               f"{wk.tune.GRACE_S} s and measured again by the others[/]", highlight=False)
                 bar.update(tasks[i], description=f"worker {i}: died ({why})")
+            elif kind == "stuck":
+                stuck.add(i)
+                info_out.print(f"[yellow]worker {i} finished but had not exited {ev[2]:.0f} s later: "
+                               "stopped[/]", highlight=False)
+                bar.update(tasks[i], description=f"worker {i}: stopped (did not exit)")
+            elif kind == "quiet":
+                info_out.print(f"[yellow]worker {i} has reported nothing for {ev[2]:.0f} s[/]", highlight=False)
             elif kind == "error":
                 err.print(mask(f"worker {i}: {ev[2] + ': ' if ev[2] else ''}{ev[3]}", storage), markup=False)
             elif kind == "skip":

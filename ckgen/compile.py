@@ -4,17 +4,21 @@
   context, so it runs in CI and in worker processes.
 - `compile_many`: the same for many sources, in parallel processes (compile is the slow part
   of tuning), deduplicated by source hash, each result stored in the on-disk cubin cache.
+- `pool`: the process's compile pool (spawned processes), shared by `compile_many` and the
+  tuner's background compiles; `close_pool` / `pool_closed` shut it down (see `pool`).
 - `load_kernel`: a CuPy kernel for the current device: memory cache, then the disk cache
   (`<cache>/kernels/<arch>/<name>-<sha12>.cubin`, or `$CKGEN_KERNEL_CACHE/<arch>/...`), then NVRTC."""
 from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import contextlib
 import multiprocessing as mp
 import os
 import struct
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,24 +142,110 @@ def _worker(args: tuple[KernelSource, Target]) -> str | None:
         return f"{src.name}: {e.log.strip()[-400:]}"
 
 
+# The process's compile pool (`pool`) and what sizes it (`share_cpus`).
 _pool: cf.ProcessPoolExecutor | None = None
+_pool_pid = 0  # the process that made `_pool`
+_finalizer_pid = [0]  # the process whose multiprocessing finalizers hold `close_pool`
+_pool_lock = threading.Lock()
+_sharers = 1  # processes of this machine that compile at once (`share_cpus`)
+MAX_POOL = 16  # NVRTC compiles of one tuner: more processes than this only add start-up time
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity: a container's or `taskset`'s share, where
+    os.cpu_count() says the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 2
+
+
+def share_cpus(processes: int) -> None:
+    """This process is one of `processes` on the machine that compile at once (the workers of
+    `ckgen tune --workers`): its pool, made after this, gets its share of the CPUs."""
+    global _sharers
+    _sharers = max(1, processes)
+
+
+def pool_size() -> int:
+    """Processes of a new pool: this process's share of the CPUs (all of them, or one in
+    `share_cpus`'s count) less one, the process itself, which feeds the GPU and fits the sampler;
+    at least 1, at most MAX_POOL. 16 CPUs: one tuner 15, each of 2 workers 7, of 4 workers 3."""
+    return max(1, min(MAX_POOL, cpu_count() // _sharers - 1))
+
+
+def _orphan_guard(parent: int) -> None:
+    """In each pool process: exit once the process that started the pool is gone. A pool process
+    waits for work forever, and a tuner killed with SIGKILL (or dead of a GPU fault) never tells it
+    to stop: without this it would outlive the tuner, holding memory, for good."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="ckgen-orphan-guard").start()
+
+
+def pool(workers: int | None = None) -> cf.ProcessPoolExecutor:
+    """The process's compile pool: `workers` spawned processes (default `pool_size()`), made on
+    first use and kept for the process's later compiles (their start-up, an interpreter and the
+    NVRTC library each, is paid once). Shut down by `close_pool`: explicitly where a process's
+    work ends (`pool_closed`: a `ckgen tune --workers` worker, before it says it is done), else at
+    exit. Not by atexit alone: a multiprocessing child leaves through os._exit, never running
+    atexit, and multiprocessing's exit joins the child's own children first, the pool's
+    processes, which wait for work forever; so it is also a multiprocessing finalizer, which that
+    exit runs before the join (any multiprocessing child that tunes: online tuning in a
+    DataLoader worker, say)."""
+    global _pool, _pool_pid
+    with _pool_lock:
+        if _pool is None or _pool_pid != os.getpid():  # a pool of the process this one forked from is not ours
+            _pool = cf.ProcessPoolExecutor(workers or pool_size(), mp_context=mp.get_context("spawn"),
+                                           initializer=_orphan_guard, initargs=(os.getpid(),))
+            _pool_pid = os.getpid()
+            if _finalizer_pid[0] != _pool_pid:
+                from multiprocessing import util
+
+                util.Finalize(None, close_pool, exitpriority=100)
+                _finalizer_pid[0] = _pool_pid
+        return _pool
+
+
+def close_pool() -> None:
+    """Shut the process's compile pool down: compiles not started are cancelled, running ones
+    finish (seconds), its processes are joined. A later `pool()` starts a new one."""
+    global _pool
+    with _pool_lock:
+        ex, _pool = (_pool, None) if _pool_pid == os.getpid() else (None, None)
+    if ex is not None:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def pool_closed() -> Any:
+    """`with pool_closed(): ...`: whatever started the pool inside, it is shut down on the way
+    out, however the block ends (a worker process's whole work runs inside one)."""
+    try:
+        yield
+    finally:
+        close_pool()
+
+
+atexit.register(close_pool)  # the main process: before interpreter teardown, not during it
 
 
 def compile_many(sources: list[KernelSource], target: Target, workers: int | None = None) -> dict[str, str]:
-    """Compile every source (deduplicated by hash) into the disk cache, in parallel.
+    """Compile every source (deduplicated by hash) into the disk cache, in parallel (`pool`;
+    `workers` sizes it if this makes it).
     Returns {instance name: compiler message} for those that failed; the rest are cached."""
-    global _pool
     todo = {s.sha256: s for s in sources if not cubin_path(s, target.arch).is_file()}
     if not todo:
         return {}
-    workers = workers or max(1, min(16, (os.cpu_count() or 2) - 1))
+    workers = workers or pool_size()
     if len(todo) == 1 or workers == 1:
         out = [_worker((s, target)) for s in todo.values()]
     else:
-        if _pool is None:
-            _pool = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
-            atexit.register(_pool.shutdown)  # before interpreter teardown, not during it
-        out = list(_pool.map(_worker, [(s, target) for s in todo.values()]))
+        out = list(pool(workers).map(_worker, [(s, target) for s in todo.values()]))
     return {msg.split(":", 1)[0]: msg for msg in out if msg}
 
 

@@ -9,12 +9,10 @@ optuna storage (SQLite under the cache dir). The winner is picked among the best
 timings, interleaved over several rounds, by median."""
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures as cf
 import datetime as _dt
 import math
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -26,6 +24,7 @@ from typing import Any, Callable
 from . import settings
 from .bench import Timer, Timing, gbps
 from .compile import CompileError, compile_many, ensure_cubin
+from .compile import pool as compile_pool
 from .instance import render_instance
 from .ops.spec import OpSpec, Problem
 from .types import Config, Target
@@ -339,16 +338,9 @@ def _compile_job(src: Any, target: Target, cache: str) -> str | None:
         return e.log.strip()[-400:]
 
 
-_jobs: cf.ProcessPoolExecutor | None = None
-
-
 def _job_pool() -> cf.ProcessPoolExecutor:
-    global _jobs
-    if _jobs is None:
-        workers = max(1, min(16, (os.cpu_count() or 2) - 1))
-        _jobs = cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
-        atexit.register(_jobs.shutdown)
-    return _jobs
+    """The compile pool of this process (`compile.pool`: shut down by `compile.close_pool`)."""
+    return compile_pool()
 
 
 class _Objective:
@@ -520,7 +512,8 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
            ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
            warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None,
            device: str = "", model_seeds: tuple[Config, ...] = (),
-           record: Callable[..., None] | None = None, run: Any = None, model: Any = None) -> tuple[Any, Config]:
+           record: Callable[..., None] | None = None, run: Any = None, model: Any = None,
+           valid: list[Config] | None = None) -> tuple[Any, Config]:
     """The search loop, apart from the device. `ev.start(configs)` begins compiling configs
     without waiting; `ev.measure(config)` returns a Measured or raises TrialFailed. Returns the
     optuna study and the default config (measured first, after any `warm` configs).
@@ -530,6 +523,8 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
     - `ahead` configs are proposed and compiling while one is measured; each result is told as it
       arrives and the next proposal is made from it.
     - `restrict`: search only the valid configs it accepts (e.g. those a recorded sweep holds).
+    - `valid`: those configs, where the caller has them already (`_valid_space(op, problem, target,
+      restrict)`: a second or more of CPU for a large space); None: made here.
     - `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds.
     - `model_seeds`: the cost model's picks, measured right after the default; they take the
       first of the `_n_seeds(trials)` seed slots, `op.seed_configs` the rest (at least one of
@@ -556,7 +551,7 @@ def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, 
                            storage=open_storage(storage), seed=seed, sampler=sampler, ahead=ahead,
                            on_trial=on_trial, warm=warm, restrict=restrict, device=device,
                            claims=_claim_lock(storage, study_name(op, problem, target, device)),
-                           model_seeds=model_seeds, record=record, run=run, model=model)
+                           model_seeds=model_seeds, record=record, run=run, model=model, valid=valid)
     except (*_storage_errors(), filelock.Timeout) as e:
         raise StudyStorageError(f"optuna study storage {shown_url(storage)}: {e.__class__.__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -567,13 +562,14 @@ def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any,
             on_trial: Callable[[int, int, float], None] | None, warm: tuple[Config, ...],
             restrict: Callable[[Config], bool] | None, device: str, claims: Any,
             model_seeds: tuple[Config, ...] = (), record: Callable[..., None] | None = None,
-            run: Any = None, model: Any = None) -> tuple[Any, Config]:
+            run: Any = None, model: Any = None, valid: list[Config] | None = None) -> tuple[Any, Config]:
     import optuna
 
     from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
 
     t0 = time.monotonic()
-    valid = _valid_space(op, problem, target, restrict)
+    if valid is None:
+        valid = _valid_space(op, problem, target, restrict)
     valid_set = set(valid)
     # Trials are suggested over the space's own values, so a study keeps its distributions.
     choices = {n: list(vals) for n, vals in op.space.params.items()}

@@ -46,6 +46,8 @@ from typing import Any, Callable
 
 from . import tune
 from .bench import Timing
+from .compile import pool_closed as compile_pool_closed
+from .compile import share_cpus as compile_share_cpus
 from .ops import get_op
 from .ops.spec import OpSpec, Problem
 from .types import Config
@@ -176,9 +178,16 @@ def _counted(t: Any) -> bool:
 class _Problem:
     problem: Problem
     name: str  # the study's
-    valid: list[Config]
     names: list[str]
+    restrict: Callable[[Config], bool] | None = None  # the backend's (`_Worker.valid`)
     study: Any = None
+    # Made when first needed, dropped when the problem is done (`_Worker.done`): the valid configs
+    # take a second or more of CPU per problem (groupnorm_bwd: 31k configs validated), an evaluator
+    # its problem's inputs and float64 reference; made up front for every problem, they delayed
+    # a worker's first trial by seconds per problem, and the final round made the search's again.
+    valid: list[Config] | None = None
+    index: frozenset[Config] | None = None
+    ev: Any = None  # the evaluator of this worker's search, reused by its final round
 
 
 class _RunBudget:
@@ -187,6 +196,11 @@ class _RunBudget:
     def __init__(self, worker: "_Worker", p: _Problem):
         self.w, self.p = worker, p
         self.study: Any = None
+        # the run's trials on this problem as the last `allow` read them (finished, best time), and
+        # how many this search had finished then: `progress` adds the ones finished here since,
+        # rather than reading every trial from the storage again after each trial
+        self.seen: tuple[int, float] = (0, math.inf)
+        self.local = self.seen_local = 0
 
     def allow(self, study: Any) -> bool:  # under the study's propose lock
         self.study = study
@@ -200,22 +214,28 @@ class _RunBudget:
         if w.left(start) <= 0:
             return False
         mine = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(RUN_ATTR) == w.run_id]
+        self.seen, self.seen_local = _finished(mine), self.local
         return sum(_counted(t) for t in mine) < w.spec.trials
 
     def tag(self, trial: Any) -> None:  # still under the lock
         trial.set_user_attr(RUN_ATTR, self.w.run_id)
         trial.set_user_attr(WORKER_ATTR, self.w.wid)
 
-    def progress(self) -> tuple[int, float]:
-        """(trials of the run finished on this problem, best time of the run's)."""
-        from optuna.trial import TrialState
+    def progress(self, done: int, best: float) -> tuple[int, float]:
+        """(trials of the run finished on this problem, best time of the run's), given this search's
+        (`done` trials finished, `best` time): the last `allow`'s reading and what finished here
+        since (exact with one worker; the others' since then show at the next reading)."""
+        self.local = done
+        return self.seen[0] + done - self.seen_local, min(self.seen[1], best)
 
-        if self.study is None:
-            return 0, math.inf
-        mine = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get(RUN_ATTR) == self.w.run_id]
-        done = sum(_counted(t) and t.state != TrialState.RUNNING for t in mine)
-        best = min((t.value for t in mine if t.state == TrialState.COMPLETE and t.value is not None), default=math.inf)
-        return done, best
+
+def _finished(trials: list[Any]) -> tuple[int, float]:
+    """(how many of `trials` are finished and spent budget, the best time among them)."""
+    from optuna.trial import TrialState
+
+    done = sum(_counted(t) and t.state != TrialState.RUNNING for t in trials)
+    best = min((t.value for t in trials if t.state == TrialState.COMPLETE and t.value is not None), default=math.inf)
+    return done, best
 
 
 class _Worker:
@@ -231,16 +251,30 @@ class _Worker:
         self.storage = tune.open_storage(spec.storage)
         self.optuna = optuna
         self.problems: dict[str, _Problem] = {}
+        self.done: set[str] = set()  # problems found DONE for this run: they stay so, never read again
         for key in spec.problems:
             problem = self.op.problem_from_key(key)
-            try:
-                valid = tune._valid_space(self.op, problem, self.target, backend.restrict(self.op, problem))
-            except RuntimeError as e:  # no valid config: reported, never tuned
-                emit("skip", key, str(e))
+            restrict = backend.restrict(self.op, problem)
+            # the first valid config, not all of them (`valid`): a problem with none is reported
+            if not any(self.op.validate(problem, c, self.target) and (restrict is None or restrict(c))
+                       for c in self.op.space.enumerate()):
+                emit("skip", key, f"{self.op.name} {problem.key()}: no config of the space is valid for this problem")
                 continue
             self.problems[key] = _Problem(problem, tune.study_name(self.op, problem, self.target, self.info.name),
-                                          valid, list(self.op.space.params))
+                                          list(self.op.space.params), restrict)
         self.run_id, self.deadline = self._join()
+
+    def valid(self, p: _Problem) -> list[Config]:
+        """Problem `p`'s valid configs (those the backend's restrict accepts), made once."""
+        if p.valid is None:
+            p.valid = tune._valid_space(self.op, p.problem, self.target, p.restrict)
+            p.index = frozenset(p.valid)
+        return p.valid
+
+    def _index(self, p: _Problem) -> frozenset[Config]:
+        self.valid(p)
+        assert p.index is not None
+        return p.index
 
     # -- the run record
     def _lock(self, name: str) -> Any:
@@ -291,28 +325,39 @@ class _Worker:
 
         from .sampler import config_of, settled
 
+        key = key_of(p)
+        if key in self.done:
+            return DONE, 0
         study = self._study(p)
         attrs = study.user_attrs
         if _key(self.run_id, "result") in attrs:
-            return DONE, 0
+            return self._done(p)
         trials = study.get_trials(deepcopy=False)
         mine = [t for t in trials if t.user_attrs.get(RUN_ATTR) == self.run_id]
         running = sum(t.state == TrialState.RUNNING for t in mine)
         start = attrs.get(_key(self.run_id, "start"))
         expired = self.left(start) <= 0
-        index = set(p.valid)
         held = {c for t in trials if t.state != TrialState.WAITING and settled(t)
-                and (c := config_of(t, p.names)) is not None and c in index}
-        if not expired and sum(_counted(t) for t in mine) < self.spec.trials and len(held) < len(index):
+                and (c := config_of(t, p.names)) is not None}
+        # every valid config held? (nothing held: no, without making the valid set)
+        room = not held or len(held & self._index(p)) < len(self._index(p))
+        if not expired and sum(_counted(t) for t in mine) < self.spec.trials and room:
             return SEARCH, running
         if running:
             return WAIT, running
         if expired and start is None:
-            return DONE, 0  # the time ran out before it began: not tuned
+            return self._done(p)  # the time ran out before it began: not tuned
         claim = attrs.get(_key(self.run_id, "final"))
         if claim and time.time() - claim.get("beat", 0) < tune.GRACE_S and claim.get("worker") != self.wid:
             return WAIT, 0
         return FINALIZE, 0
+
+    def _done(self, p: _Problem) -> tuple[str, int]:
+        """`p` is done for this run (its result is stored, or its time ran out before it began),
+        for good: it is not read again, and what was made for it is let go."""
+        self.done.add(key_of(p))
+        p.valid = p.index = p.ev = None
+        return DONE, 0
 
     def run(self) -> None:
         keys = list(self.problems)
@@ -324,8 +369,8 @@ class _Worker:
             states: dict[str, tuple[str, int]] = {}
             for key in order:
                 p = self.problems[key]
-                study = self._study(p)
-                self.optuna.storages.fail_stale_trials(study)  # trials of a dead worker: FAIL, proposable again
+                if key not in self.done:
+                    self.optuna.storages.fail_stale_trials(self._study(p))  # a dead worker's trials: proposable again
                 states[key] = self._state(p)
             if all(s == DONE for s, _ in states.values()):
                 self._close()
@@ -350,18 +395,21 @@ class _Worker:
         if left <= 0:
             return
         hook = _RunBudget(self, p)
-        ev = self.backend.evaluator(self.op, p.problem)
+        if p.ev is None:
+            p.ev = self.backend.evaluator(self.op, p.problem)
         key = p.problem.key()
         self.emit("problem", key, self.spec.trials)
 
         def on_trial(done: int, total: int, best: float) -> None:
-            run_done, run_best = hook.progress()
+            run_done, run_best = hook.progress(done, best)
             self.emit("trial", key, run_done, self.spec.trials, run_best, done)
 
-        tune.search(self.op, p.problem, self.target, self.info.num_sms, ev, trials=10**9,
+        # `trials`: the run's budget per problem, which `hook` holds the run to, and which sizes the
+        # seeds as it does for `ckgen tune --trials` (`tune._n_seeds`)
+        tune.search(self.op, p.problem, self.target, self.info.num_sms, p.ev, trials=self.spec.trials,
                     timeout=None if math.isinf(left) else left, storage=self.storage, seed=self.spec.seed,
                     sampler=self.spec.sampler, ahead=self.spec.ahead, on_trial=on_trial,
-                    restrict=self.backend.restrict(self.op, p.problem), device=self.info.name,
+                    restrict=p.restrict, device=self.info.name, valid=self.valid(p),
                     model_seeds=self.backend.model_seeds(self.op, p.problem, self.spec.trials),
                     record=self.backend.recorder(self.op, p.problem), run=hook,
                     model=self.backend.model())
@@ -411,14 +459,18 @@ class _Worker:
                     if t.state == TrialState.FAIL and set(t.params) == set(p.names)]
         workers = sorted({t.user_attrs.get(WORKER_ATTR, "") for t in measured} - {""})
         start = study.user_attrs.get(_key(self.run_id, "start"))
-        valid = set(p.valid)
+        valid = self._index(p)
         default_cfg = op.space.nearest_default(lambda c: c in valid)
-        ev = self.backend.evaluator(op, problem)
+        # this worker's search's evaluator if it searched the problem (its inputs, reference and
+        # verified kernels: one `ckgen tune` reuses them too), else a new one
+        ev, p.ev = p.ev or self.backend.evaluator(op, problem), None
+        before = len(ev.failures)  # the search's are in `failures` already (from the study)
         base = {"worker": self.wid, "host": self.host, "trials": len(measured), "failed": len(failures),
                 "workers": workers, "date": _now_iso()}
         ranked = tune.final_round(ev, study, default_cfg, valid, self.spec.rounds)
+        failures += ev.failures[before:]
         if not ranked:
-            why = f"no candidate passed verification; failures: {(failures + ev.failures)[:3]}"
+            why = f"no candidate passed verification; failures: {failures[:3]}"
             self.emit("error", key_of(p), why)
             return {**base, "error": why}
         record = self.backend.recorder(op, problem)
@@ -429,7 +481,7 @@ class _Worker:
         seconds = time.time() - start if start is not None else 0.0
         r = tune.TuneResult(op.name, problem, ranked[0], final.get(default_cfg), self.backend.copy(op, problem),
                             op.min_bytes(problem), trials=len(measured), pruned=0,
-                            failures=failures + ev.failures, seconds=seconds, finalists=ranked)
+                            failures=failures, seconds=seconds, finalists=ranked)
         prov = {**self.backend.provenance(r), "host": self.host, "worker": self.wid, "workers": len(workers),
                 "run": self.run_id}
         entry = tune.db_entry(r, self.info, prov)
@@ -459,50 +511,69 @@ def worker_main(index: int, spec: RunSpec, events: Any, workers: int = 1) -> Non
     """A worker process: measures with `spec.backend()`, reports to `events` (the write end of a
     pipe of its own) as (kind, worker index, ...) tuples: hello, problem, trial, result, skip,
     error, bye. Not a multiprocessing.Queue shared by the workers: its feeder threads share a
-    lock, and a worker killed while holding it would leave the others hanging at exit."""
+    lock, and a worker killed while holding it would leave the others hanging at exit.
+
+    The compile pool the work started is shut down before "bye", however the work ended: a
+    multiprocessing child leaves through os._exit, never running atexit, and multiprocessing's
+    exit joins the pool's processes, which wait for work forever (`compile.pool`)."""
     lock = threading.Lock()
 
     def emit(kind: str, *rest: Any) -> None:
         with lock:
             events.send((kind, index, *rest))
 
+    code = 0
     try:
-        if spec.heartbeat_s is not None:
-            tune.HEARTBEAT_S = spec.heartbeat_s
-        if spec.grace_s is not None:
-            tune.GRACE_S = spec.grace_s
-        _share_compile_pool(workers)
-        import optuna
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        warnings.filterwarnings("ignore", message="Heartbeat of storage")
-        backend = (spec.backend or GpuBackend)()
-        w = _Worker(index, spec, backend, emit)
-        w.spec_workers = workers
-        emit("hello", w.info.name, w.target.arch, w.host, os.getpid(), w.run_id,
-             os.environ.get("CUDA_VISIBLE_DEVICES"))
-        w.run()
+        with compile_pool_closed():
+            _work(index, spec, emit, workers)
         emit("bye")
     except tune.StudyStorageError as e:
-        emit("error", None, str(e))
-        sys.exit(STORAGE_EXIT)
+        code = STORAGE_EXIT
+        _report(emit, str(e))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which says which worker
-        emit("error", None, f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}")
-        sys.exit(1)
+        code = 1
+        _report(emit, f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=6)}")
+    finally:
+        events.close()  # the parent sees EOF now, not when the process is reaped
+    if code:
+        sys.exit(code)
 
 
-def _share_compile_pool(workers: int) -> None:
-    """The workers of one machine share its CPUs for compiling: each gets a pool of its share."""
-    import concurrent.futures as cf
+def _report(emit: Callable[..., None], why: str) -> None:
+    try:
+        emit("error", None, why)
+    except OSError:  # the parent is gone (its pipe broke): nobody to tell
+        pass
 
-    if workers <= 1:
-        return
-    n = max(1, min(16, ((os.cpu_count() or 2) - 1) // workers))
-    tune._jobs = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"))
-    import atexit
 
-    atexit.register(tune._jobs.shutdown)
+def _work(index: int, spec: RunSpec, emit: Callable[..., None], workers: int) -> None:
+    if spec.heartbeat_s is not None:
+        tune.HEARTBEAT_S = spec.heartbeat_s
+    if spec.grace_s is not None:
+        tune.GRACE_S = spec.grace_s
+    compile_share_cpus(workers)  # the workers of this machine share its CPUs for compiling
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    warnings.filterwarnings("ignore", message="Heartbeat of storage")
+    backend = (spec.backend or GpuBackend)()
+    w = _Worker(index, spec, backend, emit)
+    w.spec_workers = workers
+    emit("hello", w.info.name, w.target.arch, w.host, os.getpid(), w.run_id,
+         os.environ.get("CUDA_VISIBLE_DEVICES"))
+    w.run()
+
+
+# A worker that finished (said "bye", or closed its pipe) and has not exited this many seconds later
+# is stopped (SIGTERM, then SIGKILL) and reported: its work is done and stored, and nothing it
+# could still be doing is worth the run never ending (the exit of a worker whose compile pool was
+# left running never came: `worker_main`).
+EXIT_GRACE_S = 30.0
+KILL_AFTER_S = 10.0  # after SIGTERM, before SIGKILL
+# A worker silent this long (no trial, result or other event) is reported, and again each time as
+# long: it may be in a long final round or compile, so it is not stopped.
+QUIET_S = 600.0
 
 
 @dataclass
@@ -516,6 +587,7 @@ class WorkerInfo:
     run_id: str = ""
     exitcode: int | None = None
     error: str | None = None
+    finished: bool = False  # it said "bye": its work ended normally
 
 
 @dataclass
@@ -529,11 +601,30 @@ class RunReport:
         return [w for w in self.workers if w.exitcode not in (0, None)]
 
 
+def exit_reason(code: int) -> str:
+    """A worker's exit code in words: 'signal 9 (SIGKILL)', 'exit code 1'."""
+    if code < 0:
+        import signal
+
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
 def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
-                on_event: Callable[..., None] | None = None, poll: float = 0.2) -> RunReport:
+                on_event: Callable[..., None] | None = None, poll: float = 0.2,
+                exit_grace: float = EXIT_GRACE_S, quiet: float = QUIET_S) -> RunReport:
     """Start `workers` processes (spawned; worker i pinned to devices[i % len(devices)] through
     CUDA_VISIBLE_DEVICES when devices are given), pass their events to `on_event(event, procs)`
-    until every one has exited, then read every problem's result from the storage."""
+    until every one has exited, then read every problem's result from the storage.
+
+    Events beside the workers' own: ("exit", i, exit code) when worker i has exited (a negative
+    code: the signal that killed it); ("stuck", i, seconds) when it finished but had not exited
+    `exit_grace` seconds later, and is stopped; ("quiet", i, seconds) when it has sent nothing for
+    that long (every `quiet` seconds). The parent never waits on a worker without a bound: a
+    dead worker is seen by its pipe's EOF and its exit, a stuck one is stopped."""
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")
@@ -548,7 +639,7 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=worker_main, args=(info.index, spec, w, workers), daemon=False)
             p.start()
-            w.close()  # the child holds the write end: EOF here when it exits or is killed
+            w.close()  # the child holds the write end: EOF here when it closes it, exits or is killed
             procs.append(p)
             readers[r] = info.index
     finally:
@@ -557,33 +648,75 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
+    heard = [time.monotonic()] * workers  # when each last sent an event
+    ended: dict[int, float] = {}  # worker -> when it said bye or closed its pipe
+    stopped: dict[int, float] = {}  # worker -> when it was sent SIGTERM
+
+    def tell(ev: tuple[Any, ...]) -> None:
+        if on_event is not None:
+            on_event(ev, procs)
+
     def handle(ev: tuple[Any, ...]) -> None:
         kind, i = ev[0], ev[1]
+        heard[i] = time.monotonic()
         if kind == "hello":
             infos[i].name, infos[i].arch, infos[i].host, infos[i].pid, infos[i].run_id = ev[2:7]
         elif kind == "error" and ev[2] is None:
             infos[i].error = ev[3]
-        if on_event is not None:
-            on_event(ev, procs)
+        elif kind == "bye":
+            infos[i].finished = True
+            ended.setdefault(i, time.monotonic())
+        tell(ev)
 
     def exits() -> None:
         for info, p in zip(infos, procs):
             if info.exitcode is None and p.exitcode is not None:
                 info.exitcode = p.exitcode
-                if on_event is not None:
-                    on_event(("exit", info.index, p.exitcode), procs)
+                if p.exitcode != 0 and info.error is None and info.index not in stopped:
+                    info.error = f"died ({exit_reason(p.exitcode)})" + ("" if info.finished else " before it finished")
+                tell(("exit", info.index, p.exitcode))
+
+    def watch() -> None:
+        """Stop a worker that finished but does not exit; report one that is silent."""
+        now = time.monotonic()
+        for info, p in zip(infos, procs):
+            i = info.index
+            if info.exitcode is not None or p.exitcode is not None:
+                continue
+            if i in stopped:
+                if now - stopped[i] > KILL_AFTER_S:
+                    p.kill()
+            elif i in ended and now - ended[i] > exit_grace:
+                info.error = (f"finished, but had not exited {exit_grace:.0f} s later: stopped "
+                              "(its results are stored; a process it started may have kept it alive)")
+                stopped[i] = now
+                tell(("stuck", i, now - ended[i]))
+                p.terminate()
+            elif i not in ended and now - heard[i] > quiet:
+                tell(("quiet", i, now - heard[i]))
+                heard[i] = now  # again after as long
 
     try:
-        while readers:  # until every worker's pipe is closed (it exited, or was killed)
-            for r in wait(list(readers), timeout=poll):
+        while readers or any(p.exitcode is None for p in procs):
+            # the pipes, and the exit of every worker still running (a worker can exit with its
+            # pipe still open only if something it started holds the pipe: its exit wakes us too)
+            sentinels = {p.sentinel: p for p in procs if p.exitcode is None}
+            for r in wait(list(readers) + list(sentinels), timeout=poll):
+                if r in sentinels:
+                    continue
                 try:
                     ev = r.recv()
                 except (EOFError, OSError):  # closed; a message cut by a kill is dropped
-                    del readers[r]
+                    ended.setdefault(readers.pop(r), time.monotonic())
                     r.close()
                     continue
                 handle(ev)
             exits()
+            for r, i in list(readers.items()):  # a worker gone with its pipe held open elsewhere
+                if procs[i].exitcode is not None and not r.poll():
+                    del readers[r]
+                    r.close()
+            watch()
         for p in procs:
             p.join()
         exits()
@@ -592,7 +725,10 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
             if p.exitcode is None:
                 p.terminate()
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=KILL_AFTER_S)
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=KILL_AFTER_S)
         raise
     results: dict[tuple[str, str], dict[str, Any]] = {}
     seen = {(w.name, w.arch, w.run_id) for w in infos if w.run_id}

@@ -203,3 +203,32 @@ def test_total_timeout_ends_the_run_for_every_worker(tmp_path):
     spent = sum(len([t for t in ts if wk._counted(t)]) for ts in run_trials(spec, report).values())
     assert 0 < spent < len(wtimes.KEYS) * TRIALS  # stopped by the clock, not the budget
     assert report.seconds < 60
+
+
+def test_one_worker_searches_as_one_process_and_builds_one_evaluator_per_problem(tmp_path):
+    """`--workers 1` is `ckgen tune` in a process of its own: per problem, the same configs in the
+    same order as `tune.search` with the same budget (its seeds sized by the run's --trials, not by
+    an unbounded count: over each problem's whole valid space, not a subset, so the op's seeds
+    count), and one evaluator (on a GPU: one harness, the inputs and the float64 reference) for the
+    search and the final round."""
+    from ckgen.replay import ReplayEvaluator
+    from ckgen.tune import search
+
+    trials, keys = 6, wtimes.KEYS[:3]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    backend = wtimes.CountingBackend(ReplayBackend(wtimes.time_of, None, log_dir=str(logs)))
+    spec = wk.RunSpec(wtimes.OP.name, tuple(keys), trials, f"sqlite:///{tmp_path / 'w.sqlite3'}", backend=backend,
+                      poll_s=0.2)
+    report = wk.run_workers(spec, 1)
+    assert report.workers[0].exitcode == 0, report.workers[0].error
+    order = collections.defaultdict(list)
+    for m in measured(spec):
+        order[m["problem"]].append(m["config"])
+    for key in keys:
+        ev = ReplayEvaluator(lambda c, key=key: wtimes.time_of(key, c))
+        search(wtimes.OP, wtimes.OP.problem_from_key(key), wtimes.SM90, 132, ev, trials=trials, timeout=None,
+               storage=f"sqlite:///{tmp_path / 'one.sqlite3'}", seed=spec.seed, device="replayed GPU")
+        assert order[key] == [c.key() for c in ev.calls], key
+    made = [line for f in logs.glob("evaluators-*.txt") for line in f.read_text().split()]
+    assert sorted(made) == sorted(keys)  # one per problem: the final round reused the search's

@@ -42,3 +42,116 @@ def time_of(key: str, config: Config) -> float | None:
     k = _h(key) % 7
     return (100.0 + 10 * k - 2.0 * config["vec_bytes"] + abs(config["threads"] - 64 * (1 + k % 4)) / 64
             + config["tw"] * config["th"] / 4 + (_h(key + config.key()) % 1000) / 500.0)
+
+
+class CompilingBackend:
+    """A `ckgen.workers` backend that compiles every proposal through the real compile pool
+    (`tune._Objective.start`: NVRTC offline, in the worker's spawned pool processes) and answers
+    `time_of`'s replayed times for the GPU part, so a worker owns a real pool as it does on a GPU
+    machine. `delay` seconds per measurement stand in for the GPU's time."""
+
+    def __init__(self, delay: float = 0.0):
+        from ckgen.replay import ReplayBackend
+
+        self.replay = ReplayBackend(time_of, restrict_to, delay=delay)
+        self.info = self.replay.info
+
+    def __call__(self) -> "CompilingBackend":  # the backend factory of a RunSpec
+        return self
+
+    def evaluator(self, op, problem):
+        return CompilingEvaluator(op, problem, self.info.target, self.replay.evaluator(op, problem))
+
+    def __getattr__(self, name: str):  # restrict, recorder, model_seeds, model, copy, provenance
+        if name == "replay":
+            raise AttributeError(name)
+        return getattr(self.replay, name)
+
+
+class CompilingEvaluator:
+    """Compiles in the background through `tune._Objective` (its `start` and the pool it uses),
+    waits for each config's cubin before answering the replayed evaluator's time."""
+
+    def __init__(self, op, problem, target, replayed):
+        from ckgen import tune
+
+        self.objective = tune._Objective(op, problem, target, None, None)  # no harness, no timer: no GPU
+        self.replayed = replayed
+
+    def __getattr__(self, name: str):  # measured, failures, pruned, retime
+        if name in ("replayed", "objective"):
+            raise AttributeError(name)
+        return getattr(self.replayed, name)
+
+    @property
+    def pruned(self) -> int:
+        return self.replayed.pruned
+
+    @pruned.setter
+    def pruned(self, value: int) -> None:
+        self.replayed.pruned = value
+
+    def start(self, configs) -> None:
+        self.objective.start(configs)
+        self.replayed.start(configs)
+
+    def measure(self, config):
+        from ckgen.tune import TrialFailed
+
+        job = self.objective.pending.pop(config, None)
+        if job is not None:
+            msg = job.result(timeout=300)
+            if msg:
+                raise TrialFailed(f"compile error: {msg}")
+        return self.replayed.measure(config)
+
+
+class HangingBackend(CompilingBackend):
+    """A CompilingBackend that also leaves a non-daemon thread waiting forever: a worker whose
+    work ends normally but whose process can never exit (multiprocessing's exit joins it), as a
+    worker whose compile pool was never shut down could not."""
+
+    def __call__(self) -> "HangingBackend":
+        import threading
+
+        threading.Thread(target=threading.Event().wait, name="never-ends").start()
+        return self
+
+
+def compile_in_child(count: int = 3) -> None:
+    """A multiprocessing child's work that compiles `count` configs of the first problem through
+    the tuner's background compile pool and returns without shutting the pool down (as online
+    tuning in a user's child process would)."""
+    from ckgen import tune
+
+    problem = PROBLEMS[0]
+    objective = tune._Objective(OP, problem, SM90, None, None)
+    configs = sorted(subset(KEYS[0]), key=lambda c: c.key())[:count]
+    objective.start(configs)
+    for c in configs:
+        assert objective.pending[c].result(timeout=300) is None
+
+
+class CountingBackend:
+    """A ReplayBackend (`backend`) that also appends a line to `<log_dir>/evaluators-<pid>.txt`
+    for each evaluator it makes (the problem's key): how many harnesses a GPU worker would build."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.info = backend.info
+
+    def __call__(self) -> "CountingBackend":
+        return self
+
+    def evaluator(self, op, problem):
+        import os
+        from pathlib import Path
+
+        with open(Path(self.backend.log_dir) / f"evaluators-{os.getpid()}.txt", "a") as f:
+            f.write(problem.key() + "\n")
+        return self.backend.evaluator(op, problem)
+
+    def __getattr__(self, name: str):
+        if name == "backend":
+            raise AttributeError(name)
+        return getattr(self.backend, name)

@@ -10,7 +10,7 @@ Without problem options: the op's default problems (what `ckgen tune OP` tunes).
 `ckgen tune`'s problem options (`--grid`, `--shape ... --groups ...`, `--dtype`, `--layout`).
 `--runs` may also name other worker counts (`--runs one,1,2,auto`: 2 workers share one GPU where
 there is one). Prints a table (wall seconds, speedup against one process, winners the same as one
-process's) and writes it, with each problem's winners, to OUT/workers-scaling-<GPU name>.md (and
+process's) and writes it, with each problem's winners, to OUT/<date>-workers-scaling-<device>.md (bench/reports.py names it; and
 .json: every run's `ckgen tune --format json` document and its wall time)."""
 from __future__ import annotations
 
@@ -122,7 +122,10 @@ def main() -> int:
         per.append(f"| {k} | " + " | ".join(cells) + " |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"workers-scaling-{name.replace(' ', '-')}"
+    sys.path.insert(0, str(ROOT / "bench"))
+    from reports import report_stem  # bench/reports.py
+
+    stem = out / report_stem("workers-scaling", name)
     cmdline = " ".join(["python3", "bench/workers_scaling.py", *sys.argv[1:]])
     stem.with_suffix(".md").write_text(
         f"# `ckgen tune --workers` scaling: {args.op}, {args.trials} trials\n\n"

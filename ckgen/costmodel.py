@@ -153,6 +153,15 @@ CORR_TAU = 1.0
 CORR_PRIOR = 0.2
 
 
+# What a model file may hold (`CostModel.from_doc`): every prediction is then a finite time. The
+# packaged model is far inside: weights and intercepts within 1.1, residuals within 1.8.
+MAX_WEIGHT = 10.0
+MAX_US = 1e4  # host times per call and launch floors
+MAX_NEED_BYTES = 1e12
+MAX_RESIDUAL = 20.0
+MAX_CORRECTION = 1e6
+
+
 class ModelError(ValueError):
     """A model file that cannot be used (the message says why)."""
 
@@ -421,28 +430,39 @@ class CostModel:
                 raise ModelError(f"model version {doc.get('version')!r}; this ckgen reads {VERSION}")
             if doc.get("terms") != list(TERM_NAMES):
                 raise ModelError("its terms differ from this ckgen's")
-            w = [float(x) for x in doc["weights"]]
+            w = [_number(x) for x in doc["weights"]]
             if len(w) != len(TERM_NAMES):
                 raise ModelError("wrong number of weights")
-            inter = {str(k): float(v) for k, v in doc["intercepts"].items()}
-            host = {k: float(doc["host"][k]) for k in HOST}
-            floor_us, need = float(doc["floor_us"]), float(doc["need_bytes"])
-            floor_next = float(doc.get("floor_next_us", floor_us))
-            nums = [*w, *inter.values(), *host.values(), floor_us, floor_next, need]
-            if not all(math.isfinite(x) for x in nums) or floor_us < 0 or floor_next < 0 or need <= 0:
-                raise ModelError("a constant is not finite or out of range")
+            inter = {str(k): _number(v) for k, v in _mapping(doc["intercepts"], "intercepts").items()}
+            host = {k: _number(_mapping(doc["host"], "host")[k]) for k in HOST}
+            floor_us, need = _number(doc["floor_us"]), _number(doc["need_bytes"])
+            floor_next = _number(doc.get("floor_next_us", floor_us))
+            # Bounds that keep every prediction a finite time (exp of the weighted terms, which are
+            # logs of at most a few dozen): a fitted model is far inside them (weights and
+            # intercepts within 2, floors and host times of a few us, the knee a few MB)
+            if not all(abs(x) <= MAX_WEIGHT for x in [*w, *inter.values()]):
+                raise ModelError(f"a weight or intercept is out of range (not finite or beyond +-{MAX_WEIGHT:g})")
+            if not all(0 <= x <= MAX_US for x in [*host.values(), floor_us, floor_next]):
+                raise ModelError(f"a host time or launch floor is out of range (not finite or outside [0, {MAX_US:g}] us)")
+            if not 1.0 <= need <= MAX_NEED_BYTES:
+                raise ModelError(f"need_bytes {need!r} is out of range (not finite or outside [1, {MAX_NEED_BYTES:g}])")
             winners = doc.get("winners") or {}
             if not isinstance(winners, dict) or not all(
-                    isinstance(v, list) and all(isinstance(c, dict) for c in v) for v in winners.values()):
-                raise ModelError("'winners' is not a mapping of op -> list of configs")
+                    isinstance(v, list) and all(_config_ok(c) for c in v) for v in winners.values()):
+                raise ModelError("'winners' is not a mapping of op -> list of configs (knob name -> "
+                                 "a number, string or bool)")
             resid = doc.get("residuals", {})
             if not isinstance(resid, dict) or not all(_residuals_ok(v) for v in resid.values()):
                 raise ModelError("'residuals' is not a mapping of op -> {knobs, problems, configs, problem, "
-                                 "config, residual} (index lists in range, finite residuals)")
-            corr = {k: float(v) for k, v in (doc.get("correction") or {}).items()}
-            if not all(math.isfinite(v) and v >= 0 for v in corr.values()):
-                raise ModelError("'correction': a constant is not finite or negative")
-            return cls(w, inter, floor_us, need, host, winners, dict(doc.get("stats") or {}), resid, corr, floor_next)
+                                 "config, residual} (index lists in range, knob values numbers, strings or "
+                                 f"bools, residuals finite and within +-{MAX_RESIDUAL:g})")
+            corr = {str(k): _number(v) for k, v in _mapping(doc.get("correction") or {}, "correction").items()}
+            if not all(0 <= v <= MAX_CORRECTION for v in corr.values()):
+                raise ModelError(f"'correction': a constant is out of range (not finite or outside [0, {MAX_CORRECTION:g}])")
+            stats = doc.get("stats") or {}
+            if not isinstance(stats, dict):
+                raise ModelError("'stats' is not a mapping")
+            return cls(w, inter, floor_us, need, host, winners, dict(stats), resid, corr, floor_next)
         except ModelError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -462,7 +482,10 @@ class CostModel:
             return []
         phi = _phi_matrix(geos, self.need_bytes)
         b = self.intercepts.get(op.name, float(np.mean(list(self.intercepts.values()) or [0.0])))
-        mem = np.exp(np.array([g.log_roof for g in geos]) + b + phi @ self.weights)
+        with np.errstate(over="ignore", invalid="ignore"):
+            mem = np.exp(np.array([g.log_roof for g in geos]) + b + phi @ self.weights)
+        if not np.isfinite(mem).all():  # a model file's constants within their bounds, but not for this problem
+            raise ModelError(f"it predicts a time that is not finite for {op.name} {p.key()}")
         corr = self.corrections(op, p, configs, target)
         h = self.host
         return [Prediction((self.launch_us(g.launches) + float(m)) * math.exp(k),
@@ -756,7 +779,8 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
 
 
 def _residuals_ok(v: Any) -> bool:
-    """One op's residual table is well formed (indices in range, residuals finite)."""
+    """One op's residual table is well formed (indices in range, knob values scalars, residuals
+    finite and within MAX_RESIDUAL)."""
     keys = ("knobs", "problems", "configs", "problem", "config", "residual")
     if not isinstance(v, dict) or not all(isinstance(v.get(k), list) for k in keys):
         return False
@@ -765,8 +789,35 @@ def _residuals_ok(v: Any) -> bool:
             and all(isinstance(k, str) for k in v["knobs"])
             and all(isinstance(q, list) and len(q) == 2 and all(isinstance(x, str) for x in q) for q in v["problems"])
             and all(isinstance(c, list) and len(c) == n_k for c in v["configs"])
+            and {type(x) for c in v["configs"] for x in c} <= _KNOB_TYPES
             and _indices_ok(v["problem"], n_p) and _indices_ok(v["config"], n_c)
-            and _finite_numbers(v["residual"]))
+            and _finite_numbers(v["residual"], MAX_RESIDUAL))
+
+
+# A knob's value in a model file: what a tuning space holds (None: a knob the config lacks, in
+# the residual table). A list or dict would reach Config's hash and fail every unseen problem.
+_KNOB_TYPES = frozenset({str, int, float, bool, type(None)})
+
+
+def _config_ok(c: Any) -> bool:
+    return isinstance(c, dict) and all(isinstance(k, str) and type(v) in _KNOB_TYPES for k, v in c.items())
+
+
+def _number(x: Any) -> float:
+    """A JSON number as a float (not a bool or a string, which float() would take); ModelError
+    otherwise. Not finite: nan, which every range check rejects."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ModelError(f"expected a number, got {str(x)[:40]!r} ({type(x).__name__})")
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond a float
+        return math.nan
+
+
+def _mapping(x: Any, what: str) -> dict:
+    if not isinstance(x, dict):
+        raise ModelError(f"{what!r} is not a mapping")
+    return x
 
 
 def _vector(xs: list, kinds: str) -> np.ndarray | None:
@@ -785,9 +836,9 @@ def _indices_ok(xs: list, n: int) -> bool:
     return a is not None and (not xs or (int(a.min()) >= 0 and int(a.max()) < n))
 
 
-def _finite_numbers(xs: list) -> bool:
+def _finite_numbers(xs: list, bound: float = math.inf) -> bool:
     a = _vector(xs, "if")
-    return a is not None and bool(np.isfinite(a).all())
+    return a is not None and bool(np.isfinite(a).all()) and (not xs or float(np.abs(a).max()) <= bound)
 
 
 def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.ndarray) -> dict[str, dict[str, Any]]:
@@ -896,12 +947,18 @@ def load() -> CostModel | None:
             model = CostModel.from_doc(json.loads(path.read_text(encoding="utf-8")))
         except (ModelError, OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             model = None
-            if str(path) not in _warned:
-                _warned.add(str(path))
-                warnings.warn(f"ckgen cost model {path}: {str(e)[:300]}; unseen problems get the nearest tuned "
-                              "problem's winner instead", ModelWarning, stacklevel=3)
+            _warn_once(path, e)
         _loaded[key] = model
         return model
+
+
+def _warn_once(path: Path | None, e: Exception) -> None:
+    """One ModelWarning per model file: it cannot be used, the dispatcher falls back."""
+    if str(path) in _warned:
+        return
+    _warned.add(str(path))
+    warnings.warn(f"ckgen cost model {path}: {str(e)[:300]}; unseen problems get the nearest tuned "
+                  "problem's winner instead", ModelWarning, stacklevel=4)
 
 
 def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Callable[[Config], bool],
@@ -916,7 +973,11 @@ def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Cal
         return []
     cands, near = candidate_tiers(op, p, target, [*extra_winners, *model.winner_configs(op)],
                                   lambda c: bool(allowed(c)))
-    return [c for _, c in model.select(op, p, cands, near, target)[:count]]
+    try:
+        return [c for _, c in model.select(op, p, cands, near, target)[:count]]
+    except ModelError as e:  # a prediction that is not finite: no seeds from this model
+        _warn_once(model_path(), e)
+        return []
 
 
 # ---------------------------------------------------------------------------------- command line
@@ -1131,6 +1192,16 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
     model = load()
     if model is None:
         return None
+    try:
+        return _dispatch_pick(model, op, p, target, entries, usable, accept)
+    except ModelError as e:  # a prediction that is not finite: the nearest-tuned fallback, as without a model
+        _warn_once(model_path(), e)
+        return None
+
+
+def _dispatch_pick(model: CostModel, op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
+                   usable: Callable[[Config], bool], accept: Callable[[Config], bool] | None,
+                   ) -> tuple[Config, Prediction, int, str | None] | None:
     params = op.space.params
     mine = sorted(((op.distance(p, op.problem_from_key(e.problem)), e) for e in entries
                    if e.op == op.name and e.vendor == target.vendor),

@@ -11,7 +11,7 @@ from ..space import load_space
 from ..target import coresident_sms
 from ..types import DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, short_repr
 from .numeric import from_storage, round_to, to_storage
-from .spec import OpSpec, Problem, check_choice, check_int, full_shapes
+from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, problem_of
 
 ACTIVATIONS = ("none", "swish")
 # slice_in=reload sums each thread's values into fp32 accumulators one after another (NHWC: one
@@ -88,6 +88,8 @@ class GroupNormProblem(Problem):
             raise ValueError(f"groups: C={self.C} is not divisible by groups={self.G}; pick G dividing C")
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("layout", self.layout, LAYOUTS)
+        if self.activation is None:  # the public functions' spelling of "none" (their default)
+            object.__setattr__(self, "activation", "none")
         check_choice("activation", self.activation, ACTIVATIONS, "None, 'swish'")
 
     @property
@@ -141,7 +143,7 @@ class GroupNormOp(OpSpec):
         return load_space(self.name)
 
     def parse_problem(self, **kw: Any) -> GroupNormProblem:
-        return GroupNormProblem(**kw)
+        return problem_of(GroupNormProblem, kw, "GroupNorm")
 
     def problem_from_key(self, key: str) -> GroupNormProblem:
         return GroupNormProblem.from_key(key)

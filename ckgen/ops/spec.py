@@ -8,6 +8,7 @@ Nothing here imports CuPy: specs, spaces, rendering and the DB run on machines w
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -16,7 +17,7 @@ from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target
                      short_repr)
 
 __all__ = ["DTYPES", "INT32_MAX", "LAYOUTS", "Config", "Launch", "OpSpec", "Problem", "Support", "Target", "Tolerance",
-           "check_choice", "check_flag", "check_int", "short_repr"]
+           "check_choice", "check_flag", "check_int", "problem_of", "short_repr"]
 
 
 def check_int(name: str, v: Any, lo: int = 1, hi: int = INT32_MAX) -> int:
@@ -46,6 +47,29 @@ def check_choice(name: str, v: Any, choices: Any, shown: str | None = None) -> s
     if not isinstance(v, str) or v not in choices:
         raise ValueError(f"{name}: {short_repr(v)} is not one of {shown or list(choices)}")
     return v
+
+
+def problem_of(cls: type, kw: Mapping[str, Any], what: str, aliases: Mapping[str, str] | None = None,
+               filled: Sequence[str] = ()) -> Any:
+    """`cls(**kw)` for a problem dataclass, with a TypeError that names the first missing or
+    unknown field and lists the fields (not Python's "__init__() missing 3 required positional
+    arguments"). `what` names the problem kind; `aliases` maps other accepted keywords to the
+    fields they stand for (pooling's kernel_size for kernel), shown in their place; `filled`:
+    fields without a default that the caller fills when absent (listed as optional)."""
+    fields = dataclasses.fields(cls)
+    shown = {v: k for k, v in (aliases or {}).items()}
+    required = [f.name for f in fields if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING and f.name not in filled]
+    optional = [shown.get(f.name, f.name) for f in fields if f.name not in required]
+    listed = ", ".join(shown.get(n, n) for n in required) + (f"; optional: {', '.join(optional)}" if optional else "")
+    names = {f.name for f in fields}
+    for k in kw:
+        if k not in names:
+            raise TypeError(f"{k}: not a field of a {what} problem (its fields: {listed})")
+    for n in required:
+        if n not in kw:
+            raise TypeError(f"{shown.get(n, n)}: missing; a {what} problem needs {listed}")
+    return cls(**kw)
 
 
 class Problem(abc.ABC):

@@ -10,7 +10,7 @@ import numpy as np
 from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import from_storage, to_storage
-from ..spec import OpSpec, full_shapes
+from ..spec import OpSpec, full_shapes, problem_of
 from .problem import PoolProblem, covering
 
 _U32 = 2**32
@@ -47,11 +47,11 @@ class _PoolOp(OpSpec):
         kw = dict(kw)
         if "kernel_size" in kw:
             kw["kernel"] = kw.pop("kernel_size")
-        if kw.get("stride") is None:
+        if kw.get("stride") is None and "kernel" in kw:
             kw["stride"] = kw["kernel"]
         if "divisor_override" in kw and kw["divisor_override"] is None:
             kw["divisor_override"] = 0
-        return self.problem_cls(**kw)
+        return problem_of(self.problem_cls, kw, self.name, {"kernel_size": "kernel"}, filled=("stride",))
 
     def problem_from_key(self, key: str) -> PoolProblem:
         return self.problem_cls.from_key(key)
@@ -277,8 +277,6 @@ class _PoolOp(OpSpec):
         if regs > _regs_per_thread(config):
             return Support.no(f"about {regs} registers per thread exceed the budget of {_regs_per_thread(config)} "
                               f"at {threads} threads x {config['min_blocks']} blocks/SM")
-        if p.H * p.W >= _I32 or p.OH * p.OW >= _I32:
-            return Support.no("one (n, c) plane has 2^31 elements or more (indices are int32 in the kernel)")
         items = self._work_items(p, config)
         if items >= _U32:
             return Support.no(f"{items} threads exceed the 32-bit thread index; use a larger tile or vector")

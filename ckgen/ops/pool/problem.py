@@ -116,6 +116,16 @@ class PoolProblem(Problem):
         if self.OH < 1 or self.OW < 1:
             raise ValueError(f"kernel_size: output size {self.OH}x{self.OW} is too small for input "
                              f"{self.H}x{self.W} (kernel {k}, stride {s}, padding {p}, dilation {d})")
+        # The kernels index an (n, c) plane, of x and of y, with 32-bit ints: no config can run a
+        # larger one, so it is an argument error here, not "no config of the tuning space".
+        big = "H" if self.H >= self.W else "W"
+        if self.H * self.W >= 2**31:
+            raise ValueError(f"{big}: an (n, c) plane of H x W = {self.H} x {self.W} = {self.H * self.W} elements "
+                             "is 2^31 or more; the kernels index a plane with 32-bit ints")
+        if self.OH * self.OW >= 2**31:
+            raise ValueError(f"{big}: the output plane of OH x OW = {self.OH} x {self.OW} = {self.OH * self.OW} "
+                             f"elements (input {self.H} x {self.W}, padding {p}) is 2^31 or more; the kernels "
+                             "index a plane with 32-bit ints")
         # One output along an axis: the stride there never moves a window, so it is set to the
         # effective kernel when smaller (the same output, values and indices; see
         # `canonical_stride`). A global pool written with stride 1 (`nn.AvgPool2d(7, stride=1)` on

@@ -11,7 +11,7 @@ from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import from_storage, to_storage
 from ..spec import OpSpec, full_shapes, problem_of
-from .problem import PoolProblem, covering
+from .problem import PoolProblem, covering, covering_span
 
 _U32 = 2**32
 _I32 = 2**31
@@ -113,13 +113,13 @@ class _PoolOp(OpSpec):
         if not (self.backward and self.pool == "max" and getattr(p, "indices", "") == "recompute"
                 and p.layout == "nchw" and config.as_dict().get("algo") == "gather" and self.aligned_gather(p, config)):
             return False
-        ob0 = _cover_span(self._cover(p, config, 1))[0]
+        ob0 = self._cover_extent(p, config, 1)[0]
         pre = p.padding[1] - ob0 * p.stride[1]  # the tile's first column in the footprint
         return pre >= 0 and pre + self.tile(config)[1] <= self._x_footprint_dims(p, config)[1]
 
     def cover_counts(self, p: PoolProblem, config: Config) -> tuple[int, int]:
         """(NA, NB): the outputs along H and W that cover an aligned gather tile (the template's)."""
-        return _cover_span(self._cover(p, config, 0))[1], _cover_span(self._cover(p, config, 1))[1]
+        return self._cover_extent(p, config, 0)[1], self._cover_extent(p, config, 1)[1]
 
     def _x_footprint_dims(self, p: PoolProblem, config: Config) -> tuple[int, int]:
         """(rows, columns) of x under the windows of an aligned gather tile's covering outputs
@@ -133,6 +133,17 @@ class _PoolOp(OpSpec):
         th, tw = self.tile(config)
         return self.backward and config.as_dict().get("algo") in ("gather", "smem") and \
             tw % p.stride[1] == 0 and th % p.stride[0] == 0
+
+    def _cover_extent(self, p: PoolProblem, config: Config, axis: int) -> tuple[int, int]:
+        """`_cover_span` of `_cover(p, config, axis)` without listing the covering outputs: per
+        tile position O(1) (`covering_span`), not O(kernel size) (a tall window made every
+        validate call walk it)."""
+        k, s, pad, d = p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis]
+        spans = [sp for t in range(self.tile(config)[axis]) if (sp := covering_span(k, s, pad, d, t)) is not None]
+        if not spans:
+            return 0, 1
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        return lo, hi - lo + 1
 
     def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
         """Aligned gather, per tile position t along `axis` (0: H, 1: W): the outputs whose

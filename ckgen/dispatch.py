@@ -124,10 +124,19 @@ class Dispatcher:
         return hit
 
     def _usable(self, op: OpSpec, problem: Problem, config: Config, target: Target, max_vec: int) -> str | None:
-        if "vec_bytes" in config.as_dict() and config["vec_bytes"] > max_vec:
-            return f"vec_bytes={config['vec_bytes']} exceeds the pointers' {max_vec}-byte alignment"
+        why = self._aligned(config, max_vec)
+        if why is not None:
+            return why
         ok = op.validate(problem, config, target)
         return None if ok else ok.reason
+
+    @staticmethod
+    def _aligned(config: Config, max_vec: int) -> str | None:
+        try:
+            vb = config["vec_bytes"]
+        except KeyError:  # a space without vectors
+            vb = 0
+        return f"vec_bytes={vb} exceeds the pointers' {max_vec}-byte alignment" if vb > max_vec else None
 
     def _why_none(self, op: OpSpec, problem: Problem, target: Target, max_vec: int, top: int = 3) -> str:
         """Why no config of the space runs `problem`: its `top` most common reasons. Reasons that
@@ -164,8 +173,13 @@ class Dispatcher:
         from .library import spill_free  # NHWC pooling forward: passes over picks whose cubins spill
 
         accept = spill_free(op, problem, target)
+
+        def admitted(c: Config) -> bool:  # _usable for a config of the space that op.class_check admits
+            return self._aligned(c, max_vec) is None and bool(op.shape_check(problem, c, target))
+
         picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
-                                         lambda c: self._usable(op, problem, c, target, max_vec) is None, accept)
+                                         lambda c: self._usable(op, problem, c, target, max_vec) is None, accept,
+                                         admitted)
         if picked is not None:
             config, pred, n, sibling = picked
             src = render_instance(op, problem, config, target)

@@ -154,6 +154,31 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def validate(self, problem: Any, config: Config, target: Target) -> Support: ...
 
+    def problem_class(self, problem: Any) -> Any:
+        """What of `problem` `class_check` reads (hashable), or None: no class check. The cost
+        model's candidate walk remembers `class_check`'s answers per (op, problem class, target),
+        so that a later problem of the class asks `validate` only about configs it admits."""
+        return None
+
+    def class_check(self, problem: Any, config: Config, target: Target) -> Support:
+        """The part of `validate` that reads only `problem_class(problem)` of the problem (and the
+        config and target); validate makes it first after the space's check, so a config it
+        refuses is invalid for every problem of the class. By default: admits all."""
+        return Support.yes()
+
+    def shape_check(self, problem: Any, config: Config, target: Target) -> Support:
+        """What `validate` checks after the space's check and `class_check`: validate is the three
+        in that order, so for a config of the space that class_check admits, this is validate's
+        answer (the candidate walk asks it alone there). By default validate itself."""
+        return self.validate(problem, config, target)
+
+    def class_check_many(self, problem: Any, knobs: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
+        """`bool(class_check)` of many configs at once, `knobs` holding each knob's values as an
+        array (one entry per config), as a bool array; None where the op has no such form (the
+        walk then asks `class_check` per config). Must agree with `class_check` everywhere
+        (tests/test_pick_latency.py compares them over the product of each space)."""
+        return None
+
     def spill_prone(self, problem: Any) -> bool:
         """True where `validate`'s register estimate is known to admit configs that spill: the
         dispatcher then compiles an untuned pick (offline, NVRTC) and takes the next candidate
@@ -169,6 +194,16 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def launches(self, problem: Any, config: Config, target: Target) -> tuple[Launch, ...]:
         """The kernels of one call, in order (all take the same arguments)."""
+
+    def main_blocks(self, problem: Any, config: Config, target: Target) -> int:
+        """Blocks of the call's main launch (the one named as the instance, else its `_stats`
+        kernel, else the first): the grid the cost model carries a winner's split with. Ops
+        that know it without building their launches say so faster."""
+        launches = self.launches(problem, config, target)
+        name = self.instance_name(problem, config)
+        by_name = {l.kernel: l for l in launches}
+        main = by_name.get(name) or by_name.get(f"{name}_stats") or launches[0]
+        return int(np.prod(main.grid))
 
     def workspace_bytes(self, problem: Any, config: Config) -> int:
         """Scratch memory the launches need (ptrs['ws']); none by default."""

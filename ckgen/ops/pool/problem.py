@@ -2,6 +2,7 @@
 and the random inputs the verifier draws."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -157,17 +158,22 @@ class PoolProblem(Problem):
         # `canonical_stride`). A global pool written with stride 1 (`nn.AvgPool2d(7, stride=1)` on
         # 7x7) is then the stride-7 problem: its DB entry, and kernels without overlapping windows.
         object.__setattr__(self, "stride", canonical_stride(self.H, self.W, k, s, p, d, self.ceil_mode))
+        for derived in ("OH", "OW", "eff_kernel"):
+            self.__dict__.pop(derived, None)
 
     # ---- derived sizes ----
-    @property
+    # Remembered per problem (not fields: eq, hash and the key stay the fields'): validate and
+    # the cost model read them for every config of an unseen problem's pick. __post_init__
+    # forgets what it read before the stride took its canonical value.
+    @functools.cached_property
     def OH(self) -> int:
         return pool_output_size(self.H, self.kernel[0], self.stride[0], self.padding[0], self.dilation[0], self.ceil_mode)
 
-    @property
+    @functools.cached_property
     def OW(self) -> int:
         return pool_output_size(self.W, self.kernel[1], self.stride[1], self.padding[1], self.dilation[1], self.ceil_mode)
 
-    @property
+    @functools.cached_property
     def eff_kernel(self) -> Pair:
         return tuple((k - 1) * d + 1 for k, d in zip(self.kernel, self.dilation))  # type: ignore[return-value]
 

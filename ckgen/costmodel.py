@@ -443,7 +443,8 @@ class CostModel:
             if not all(abs(x) <= MAX_WEIGHT for x in [*w, *inter.values()]):
                 raise ModelError(f"a weight or intercept is out of range (not finite or beyond +-{MAX_WEIGHT:g})")
             if not all(0 <= x <= MAX_US for x in [*host.values(), floor_us, floor_next]):
-                raise ModelError(f"a host time or launch floor is out of range (not finite or outside [0, {MAX_US:g}] us)")
+                raise ModelError("a host time or launch floor is out of range "
+                                 f"(not finite or outside [0, {MAX_US:g}] us)")
             if not 1.0 <= need <= MAX_NEED_BYTES:
                 raise ModelError(f"need_bytes {need!r} is out of range (not finite or outside [1, {MAX_NEED_BYTES:g}])")
             winners = doc.get("winners") or {}
@@ -458,7 +459,8 @@ class CostModel:
                                  f"bools, residuals finite and within +-{MAX_RESIDUAL:g})")
             corr = {str(k): _number(v) for k, v in _mapping(doc.get("correction") or {}, "correction").items()}
             if not all(0 <= v <= MAX_CORRECTION for v in corr.values()):
-                raise ModelError(f"'correction': a constant is out of range (not finite or outside [0, {MAX_CORRECTION:g}])")
+                raise ModelError("'correction': a constant is out of range "
+                                 f"(not finite or outside [0, {MAX_CORRECTION:g}])")
             stats = doc.get("stats") or {}
             if not isinstance(stats, dict):
                 raise ModelError("'stats' is not a mapping")
@@ -777,7 +779,8 @@ class _Lattice:
         out = []
         for c in configs:
             code = self._codes.get(c)  # an equal Config of the same value kinds (checked below)
-            if code is not None and all(type(a) is type(b) for (_, a), (_, b) in zip(c.items, self.config(code).items)):
+            if code is not None and all(type(a) is type(b)
+                                        for (_, a), (_, b) in zip(c.items, self.config(code).items)):
                 out.append(code)
                 continue
             d = c.as_dict()

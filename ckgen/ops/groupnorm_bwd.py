@@ -110,7 +110,8 @@ class _GroupNormBwd(GroupNormOp):
         packed = 2 * items * vec * item // 4  # bwd_regs_needed
         merged = ((scheme == "single_pass") | (scheme == "fused")) & (split > CLUSTER_MAX)  # grid_merged
         two_steps = ((scheme == "pipelined") | merged) if p.layout == "nhwc" else np.zeros(len(vb), dtype=bool)
-        regs = np.where(scheme == "single_pass", packed + 40, np.where(two_steps, 2 * packed + 40, 2 * items * vec + 40))
+        regs = np.where(scheme == "single_pass", packed + 40,
+                        np.where(two_steps, 2 * packed + 40, 2 * items * vec + 40))
         regs += 7 * vec if p.layout == "nhwc" else 0
         ok &= regs <= np.minimum(255, 65536 // (threads * k["min_blocks"]))
         if p.layout == "nchw":

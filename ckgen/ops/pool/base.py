@@ -252,7 +252,8 @@ class _PoolOp(OpSpec):
         lcm of the space's vec_bytes): W in NCHW, C in NHWC, which decides whether a vector of any
         width divides it (its elements divide its bytes)."""
         along = p.W if p.layout == "nchw" else p.C
-        return p.dtype, p.layout, p.pool_key(), p.extra_key(), math.gcd(along, math.lcm(*self.space.params["vec_bytes"]))
+        divisors = math.gcd(along, math.lcm(*self.space.params["vec_bytes"]))
+        return p.dtype, p.layout, p.pool_key(), p.extra_key(), divisors
 
     def class_check(self, p: PoolProblem, config: Config, target: Target) -> Support:
         """What the class alone rules out (`OpSpec.class_check`): vectors, warps, the unrolled

@@ -7,7 +7,12 @@
 - `pool`: the process's compile pool (spawned processes), shared by `compile_many` and the
   tuner's background compiles; `close_pool` / `pool_closed` shut it down (see `pool`).
 - `load_kernel`: a CuPy kernel for the current device: memory cache, then the disk cache
-  (`<cache>/kernels/<arch>/<name>-<sha12>.cubin`, or `$CKGEN_KERNEL_CACHE/<arch>/...`), then NVRTC."""
+  (`<cache>/kernels/<arch>/<name>-<sha12>.cubin`, or `$CKGEN_KERNEL_CACHE/<arch>/...`), then NVRTC.
+
+The disk cache may be shared by several users: its files are created with the umask's mode (as
+the DB's are), an entry this process cannot read is compiled again (and replaced where it can
+be), and a cache folder that cannot take a cubin (a file in its place, read-only, a parent that
+cannot be created) costs one KernelCacheWarning: kernels are then compiled and used without it."""
 from __future__ import annotations
 
 import atexit
@@ -15,10 +20,13 @@ import concurrent.futures as cf
 import contextlib
 import multiprocessing as mp
 import os
+import secrets
+import shutil
 import struct
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,24 +121,115 @@ def cubin_path(src: KernelSource, arch: str) -> Path:
     return settings.kernel_cache_dir() / arch / f"{src.name}-{src.sha256[:12]}.cubin"
 
 
-def _store(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+class KernelCacheWarning(UserWarning):
+    """The kernel cache folder cannot hold compiled kernels (not a folder, not writable, its parent
+    cannot be created): kernels are compiled and used without it, in this process only."""
+
+
+_warned: set[str] = set()
+_fallback_dir: Path | None = None  # this process's private folder for cubins the cache cannot hold
+_fallback_lock = threading.Lock()
+
+
+def _warn_unusable(folder: Path, e: OSError) -> None:
+    key = str(folder)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"ckgen kernel cache {folder}: {e.__class__.__name__}: {e.strerror or e}; compiled kernels are "
+                  f"kept in this process only (set ${settings.ENV_KERNEL_CACHE} to a writable folder to keep them)",
+                  KernelCacheWarning, stacklevel=4)
+
+
+def _new_temp(folder: Path) -> tuple[int, Path]:
+    """A new temp file in `folder`, opened for writing, created with mode 0666 so that the umask
+    applies as to any new file: tempfile's 0600 made every cubin private to its writer, and a
+    cache shared by two users failed for the second (the DB saves do the same, ckgen/db.py)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = folder / f".tmp-{secrets.token_hex(8)}"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def _store(path: Path, data: bytes) -> bool:
+    """Write `data` to `path` atomically (readers never see a partial cubin); False, with one
+    KernelCacheWarning per folder, where the cache cannot take it."""
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _new_temp(path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)  # atomic: readers never see a partial cubin
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        os.replace(tmp, path)
+        return True
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        _warn_unusable(path.parent, e)
+        return False
+
+
+def _read(path: Path) -> bytes | None:
+    """The cached cubin at `path`, or None for a miss: missing, or unreadable (another user's
+    private file, a folder in its place): such an entry is compiled again, not fatal."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _cached(path: Path) -> bool:
+    """Is the cache entry at `path` there and readable (no read of its contents)?"""
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
+    except OSError:
+        return False
+    return path.is_file()
+
+
+def _fallback_path(path: Path, data: bytes) -> Path:
+    """`data` in this process's private folder (removed at exit), for a loader that needs a file
+    where the cache could not take it."""
+    global _fallback_dir
+    with _fallback_lock:
+        if _fallback_dir is None:
+            _fallback_dir = Path(tempfile.mkdtemp(prefix="ckgen-kernels-"))
+            atexit.register(shutil.rmtree, _fallback_dir, True)
+        out = _fallback_dir / path.parent.name / path.name
+        if not out.is_file():
+            out.parent.mkdir(exist_ok=True)
+            tmp = out.with_name(f".tmp-{secrets.token_hex(8)}")
+            tmp.write_bytes(data)
+            os.replace(tmp, out)
+        return out
+
+
+def cubin_bytes(src: KernelSource, target: Target) -> bytes:
+    """The cubin of (src, arch): the disk cache's, else compiled (NVRTC) and stored there. An
+    unreadable entry is a miss; a cache that cannot take the cubin gives one KernelCacheWarning
+    and the bytes are returned all the same. Raises CompileError."""
+    path = cubin_path(src, target.arch)
+    data = _read(path)
+    if data is None:
+        data = compile_offline(src, target).cubin
+        _store(path, data)
+    return data
 
 
 def ensure_cubin(src: KernelSource, target: Target) -> Path:
-    """The cached cubin for (src, arch), compiling it if missing. Raises CompileError."""
+    """A readable file holding the cubin of (src, arch), compiling it if missing or unreadable:
+    the cached one, else (a cache that cannot take it: one KernelCacheWarning) a copy in this
+    process's private folder. Raises CompileError."""
     path = cubin_path(src, target.arch)
-    if not path.is_file():
-        _store(path, compile_offline(src, target).cubin)
-    return path
+    if _cached(path):
+        return path
+    data = compile_offline(src, target).cubin
+    return path if _store(path, data) else _fallback_path(path, data)
 
 
 def _worker(args: tuple[KernelSource, Target]) -> str | None:
@@ -238,7 +337,7 @@ def compile_many(sources: list[KernelSource], target: Target, workers: int | Non
     """Compile every source (deduplicated by hash) into the disk cache, in parallel (`pool`;
     `workers` sizes it if this makes it).
     Returns {instance name: compiler message} for those that failed; the rest are cached."""
-    todo = {s.sha256: s for s in sources if not cubin_path(s, target.arch).is_file()}
+    todo = {s.sha256: s for s in sources if not _cached(cubin_path(s, target.arch))}
     if not todo:
         return {}
     workers = workers or pool_size()

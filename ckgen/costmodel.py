@@ -153,6 +153,15 @@ CORR_TAU = 1.0
 CORR_PRIOR = 0.2
 
 
+# What a model file may hold (`CostModel.from_doc`): every prediction is then a finite time. The
+# packaged model is far inside: weights and intercepts within 1.1, residuals within 1.8.
+MAX_WEIGHT = 10.0
+MAX_US = 1e4  # host times per call and launch floors
+MAX_NEED_BYTES = 1e12
+MAX_RESIDUAL = 20.0
+MAX_CORRECTION = 1e6
+
+
 class ModelError(ValueError):
     """A model file that cannot be used (the message says why)."""
 
@@ -421,28 +430,41 @@ class CostModel:
                 raise ModelError(f"model version {doc.get('version')!r}; this ckgen reads {VERSION}")
             if doc.get("terms") != list(TERM_NAMES):
                 raise ModelError("its terms differ from this ckgen's")
-            w = [float(x) for x in doc["weights"]]
+            w = [_number(x) for x in doc["weights"]]
             if len(w) != len(TERM_NAMES):
                 raise ModelError("wrong number of weights")
-            inter = {str(k): float(v) for k, v in doc["intercepts"].items()}
-            host = {k: float(doc["host"][k]) for k in HOST}
-            floor_us, need = float(doc["floor_us"]), float(doc["need_bytes"])
-            floor_next = float(doc.get("floor_next_us", floor_us))
-            nums = [*w, *inter.values(), *host.values(), floor_us, floor_next, need]
-            if not all(math.isfinite(x) for x in nums) or floor_us < 0 or floor_next < 0 or need <= 0:
-                raise ModelError("a constant is not finite or out of range")
+            inter = {str(k): _number(v) for k, v in _mapping(doc["intercepts"], "intercepts").items()}
+            host = {k: _number(_mapping(doc["host"], "host")[k]) for k in HOST}
+            floor_us, need = _number(doc["floor_us"]), _number(doc["need_bytes"])
+            floor_next = _number(doc.get("floor_next_us", floor_us))
+            # Bounds that keep every prediction a finite time (exp of the weighted terms, which are
+            # logs of at most a few dozen): a fitted model is far inside them (weights and
+            # intercepts within 2, floors and host times of a few us, the knee a few MB)
+            if not all(abs(x) <= MAX_WEIGHT for x in [*w, *inter.values()]):
+                raise ModelError(f"a weight or intercept is out of range (not finite or beyond +-{MAX_WEIGHT:g})")
+            if not all(0 <= x <= MAX_US for x in [*host.values(), floor_us, floor_next]):
+                raise ModelError("a host time or launch floor is out of range "
+                                 f"(not finite or outside [0, {MAX_US:g}] us)")
+            if not 1.0 <= need <= MAX_NEED_BYTES:
+                raise ModelError(f"need_bytes {need!r} is out of range (not finite or outside [1, {MAX_NEED_BYTES:g}])")
             winners = doc.get("winners") or {}
             if not isinstance(winners, dict) or not all(
-                    isinstance(v, list) and all(isinstance(c, dict) for c in v) for v in winners.values()):
-                raise ModelError("'winners' is not a mapping of op -> list of configs")
+                    isinstance(v, list) and all(_config_ok(c) for c in v) for v in winners.values()):
+                raise ModelError("'winners' is not a mapping of op -> list of configs (knob name -> "
+                                 "a number, string or bool)")
             resid = doc.get("residuals", {})
             if not isinstance(resid, dict) or not all(_residuals_ok(v) for v in resid.values()):
                 raise ModelError("'residuals' is not a mapping of op -> {knobs, problems, configs, problem, "
-                                 "config, residual} (index lists in range, finite residuals)")
-            corr = {k: float(v) for k, v in (doc.get("correction") or {}).items()}
-            if not all(math.isfinite(v) and v >= 0 for v in corr.values()):
-                raise ModelError("'correction': a constant is not finite or negative")
-            return cls(w, inter, floor_us, need, host, winners, dict(doc.get("stats") or {}), resid, corr, floor_next)
+                                 "config, residual} (index lists in range, knob values numbers, strings or "
+                                 f"bools, residuals finite and within +-{MAX_RESIDUAL:g})")
+            corr = {str(k): _number(v) for k, v in _mapping(doc.get("correction") or {}, "correction").items()}
+            if not all(0 <= v <= MAX_CORRECTION for v in corr.values()):
+                raise ModelError("'correction': a constant is out of range "
+                                 f"(not finite or outside [0, {MAX_CORRECTION:g}])")
+            stats = doc.get("stats") or {}
+            if not isinstance(stats, dict):
+                raise ModelError("'stats' is not a mapping")
+            return cls(w, inter, floor_us, need, host, winners, dict(stats), resid, corr, floor_next)
         except ModelError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -462,30 +484,20 @@ class CostModel:
             return []
         phi = _phi_matrix(geos, self.need_bytes)
         b = self.intercepts.get(op.name, float(np.mean(list(self.intercepts.values()) or [0.0])))
-        mem = np.exp(np.array([g.log_roof for g in geos]) + b + phi @ self.weights)
+        with np.errstate(over="ignore", invalid="ignore"):
+            mem = np.exp(np.array([g.log_roof for g in geos]) + b + phi @ self.weights)
+        if not np.isfinite(mem).all():  # a model file's constants within their bounds, but not for this problem
+            raise ModelError(f"it predicts a time that is not finite for {op.name} {p.key()}")
         corr = self.corrections(op, p, configs, target)
         h = self.host
         return [Prediction((self.launch_us(g.launches) + float(m)) * math.exp(k),
                            h["call_us"] + h["launch_us"] * g.launches + h["alloc_us"] * g.allocs)
                 for g, m, k in zip(geos, mem, corr)]
 
-    def _residual_index(self, op: OpSpec) -> tuple[list[tuple[str, Problem]], dict[Config, list[tuple[int, float]]]]:
+    def _residual_index(self, op: OpSpec) -> "_ResidualIndex":
         idx = self._resid_index.get(op.name)
-        if idx is None:
-            doc = self.residuals[op.name]  # `corrections` asks only for an op the table holds
-            probs = []
-            for arch, key in doc["problems"]:
-                try:
-                    probs.append((str(arch), op.problem_from_key(str(key))))
-                except (KeyError, ValueError, TypeError):  # a problem of an older ckgen: skipped
-                    probs.append((str(arch), None))
-            knobs = doc["knobs"]
-            cfgs = [Config.of({k: v for k, v in zip(knobs, c) if v is not None}) for c in doc["configs"]]
-            by_cfg: dict[Config, list[tuple[int, float]]] = {}
-            for pi, ci, res in zip(doc["problem"], doc["config"], doc["residual"]):
-                if probs[pi][1] is not None:
-                    by_cfg.setdefault(cfgs[ci], []).append((int(pi), float(res)))
-            idx = self._resid_index[op.name] = (probs, by_cfg)
+        if idx is None:  # `corrections` asks only for an op the table holds
+            idx = self._resid_index[op.name] = _ResidualIndex(op, self.residuals[op.name])
         return idx
 
     def corrections(self, op: OpSpec, p: Problem, configs: Sequence[Config], target: Target) -> list[float]:
@@ -494,15 +506,15 @@ class CostModel:
         tau, prior = self.correction["tau"], self.correction["prior"]
         if tau <= 0 or not self.residuals.get(op.name):
             return [0.0] * len(configs)
-        probs, by_cfg = self._residual_index(op)
+        index = self._residual_index(op)
         weight: dict[int, float] = {}
         out = []
         for c in configs:
             num = den = 0.0
-            for pi, res in by_cfg.get(c, ()):
+            for pi, res in index.entries(c):
                 w = weight.get(pi)
                 if w is None:
-                    arch, q = probs[pi]
+                    arch, q = index.problem(pi)
                     w = weight[pi] = (0.0 if q is None or q == p or arch != target.arch
                                       else math.exp(-op.related_distance(p, q) / tau))
                 num += w * res
@@ -547,12 +559,13 @@ class CostModel:
 
     def choose(self, op: OpSpec, p: Problem, target: Target, usable: Callable[[Config], bool],
                extra_winners: Iterable[Config] = (), accept: Callable[[Config], bool] | None = None,
-               ) -> tuple[Config, Prediction, int] | None:
+               admitted: Callable[[Config], bool] | None = None) -> tuple[Config, Prediction, int] | None:
         """The best candidate (`select`) that `usable` accepts (it must include op.validate),
         its prediction, and how many candidates were ranked; None if no candidate is usable.
         `accept` (costly: a compile) is asked of the best ACCEPT_TRIES in order; the first it
-        accepts wins (none: the best)."""
-        cands, near = candidate_tiers(op, p, target, [*extra_winners, *self.winner_configs(op)], usable)
+        accepts wins (none: the best). `admitted`: see `candidate_tiers`."""
+        cands, near = candidate_tiers(op, p, target, [*extra_winners, *self.winner_configs(op)], usable,
+                                      admitted=admitted)
         if not cands:
             return None
         ranked = self.select(op, p, cands, near, target)
@@ -562,6 +575,59 @@ class CostModel:
                     return config, pred, len(cands)
         pred, config = ranked[0]
         return config, pred, len(cands)
+
+
+class _ResidualIndex:
+    """One op's residual table (`CostModel.residuals`), ready for `corrections`: a config's
+    entries (recorded problem index, residual) in the file's order, found by the config's knob
+    values; a problem's key parsed when an entry of it is first used. Built in a few ms (parsing
+    every problem and building a Config per table row took ~0.1 s per GroupNorm op, in the first
+    unseen problem's pick)."""
+
+    def __init__(self, op: OpSpec, doc: dict[str, Any]) -> None:
+        self.op = op
+        self.knobs = list(doc["knobs"])
+        self._knob_set = set(self.knobs)
+        self._problems = doc["problems"]
+        self._parsed: dict[int, tuple[str, Problem | None]] = {}
+        self._ci: dict[Config, int | None] = {}  # a config's group (None: not in the table)
+        # rows equal as configs (1 and 1.0 alike, as Config compares them) share one group
+        group: dict[tuple, int] = {}
+        canon = np.array([group.setdefault(tuple(row), ci) for ci, row in enumerate(doc["configs"])] or [0],
+                         dtype=np.int64)
+        self._group = group
+        ci = canon[np.asarray(doc["config"], dtype=np.int64)] if doc["config"] else np.zeros(0, dtype=np.int64)
+        order = np.argsort(ci, kind="stable")  # each config's entries in the file's order
+        self._pi = np.asarray(doc["problem"], dtype=np.int64)[order].tolist()
+        self._res = np.asarray(doc["residual"], dtype=np.float64)[order].tolist()
+        counts = np.bincount(ci, minlength=len(canon))
+        self._end = np.cumsum(counts).tolist()
+        self._start = (np.cumsum(counts) - counts).tolist()
+
+    def entries(self, c: Config) -> list[tuple[int, float]]:
+        """(problem index, residual) of every table entry of config c whose problem parses."""
+        ci = self._ci.get(c, -1)
+        if ci == -1:
+            d = dict(c.items)
+            ci = self._group.get(tuple(d.get(k) for k in self.knobs)) if d.keys() <= self._knob_set else None
+            if len(self._ci) < 200_000:
+                self._ci[c] = ci
+        if ci is None:
+            return []
+        lo, hi = self._start[ci], self._end[ci]
+        return [(pi, res) for pi, res in zip(self._pi[lo:hi], self._res[lo:hi]) if self.problem(pi)[1] is not None]
+
+    def problem(self, pi: int) -> tuple[str, Problem | None]:
+        """(arch, problem) of the table's problem pi; None for a key this ckgen cannot parse."""
+        got = self._parsed.get(pi)
+        if got is None:
+            arch, key = self._problems[pi]
+            try:
+                q = self.op.problem_from_key(str(key))
+            except (KeyError, ValueError, TypeError):  # a problem of an older ckgen: skipped
+                q = None
+            got = self._parsed[pi] = (str(arch), q)
+        return got
 
 
 _NEIGHBOURS: dict[tuple[str, int, Config], tuple[Config, ...]] = {}
@@ -597,16 +663,63 @@ def neighbours(op: OpSpec, config: Config) -> list[Config]:
 
 
 def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config],
-                    usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES) -> tuple[list[Config], int]:
+                    usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES,
+                    admitted: Callable[[Config], bool] | None = None) -> tuple[list[Config], int]:
     """(candidates, near): the usable winners (and the space default), then the usable configs
     one knob step from them, then a step further and so on (at most MAX_STEPS), at most `limit`
     in all, in a fixed order. The first `near` are the near tier: up to the first step (from one
     on) with MIN_CANDIDATES usable; the rest the wide tier. None usable: the valid config nearest
-    the default, alone."""
+    the default, alone.
+
+    `usable` must accept only configs `op.validate` accepts (the dispatcher's adds the pointers'
+    alignment): it is asked only about points of the space that pass the op's `class_check` for
+    p's problem class, in walk order. `admitted`, where given, answers for `usable` about those
+    configs without the checks the walk has made (the dispatcher's: the alignment and
+    `op.shape_check`). The walk runs on the space's `_Lattice` (the same order as stepping
+    through `neighbours`, which `_walk_configs` still does for winners off the lattice)."""
+    start = list(dict.fromkeys([*winners, op.space.default]))
+    lat = _lattice(op.space)
+    codes = lat.encode_all(start) if lat is not None else None
+    if codes is None:
+        return _walk_configs(op, start, usable, limit)
+    admit = _class_filter(op, p, target, lat)
+    ask = admitted or usable
+    ok: list[Config] = []
+    near = -1
+    visited = np.zeros(lat.size, dtype=bool)
+    frontier = np.asarray(codes, dtype=np.int64)
+    for step in range(MAX_STEPS + 1):
+        nodes = lat.first_unseen(frontier, visited)
+        visited[nodes] = True
+        for lo in range(0, len(nodes), _CHUNK):  # in chunks: a walk that stops early checks no further
+            # the class check first: it refuses most of an NCHW walk, whose space checks cost more
+            for code in lat.space_points(admit(nodes[lo:lo + _CHUNK])).tolist():
+                c = lat.config(code)
+                if ask(c):
+                    ok.append(c)
+                    if len(ok) >= limit:
+                        return ok, (near if near >= 0 else len(ok))
+        if near < 0 and step > 0 and len(ok) >= MIN_CANDIDATES:
+            near = len(ok)
+        if step < MAX_STEPS:
+            nb = lat.neighbours(nodes).ravel()
+            nb = nb[nb >= 0]
+            frontier = nb[~visited[nb]]
+    if not ok:
+        d = op.space.nearest_default(usable)
+        if d is not None:
+            ok.append(d)
+    return ok, (near if near >= 0 else len(ok))
+
+
+def _walk_configs(op: OpSpec, start: list[Config], usable: Callable[[Config], bool],
+                  limit: int) -> tuple[list[Config], int]:
+    """`candidate_tiers`' walk on Config objects, for winners off the space's lattice (a knob the
+    space lacks, a value of another kind)."""
     seen: set[Config] = set()
     ok: list[Config] = []
     near = -1
-    frontier = list(dict.fromkeys([*winners, op.space.default]))
+    frontier = start
     for step in range(MAX_STEPS + 1):
         nxt: list[Config] = []
         for c in frontier:
@@ -629,6 +742,155 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     return ok, (near if near >= 0 else len(ok))
 
 
+_CHUNK = 512  # walk nodes whose space and class checks are taken together
+_LATTICE_MAX = 1 << 23  # points of a space's product the lattice indexes (ckgen's largest: 466,560)
+
+
+class _Lattice:
+    """A tuning space's product of knob values, each point an integer (its code: the value
+    indices in mixed radix), so that the candidate walk steps and dedups with numpy instead of
+    building a Config per neighbour. Remembers which codes are points of the space (space.check,
+    asked once per code and process) and the Config of each code it decoded."""
+
+    def __init__(self, space: Any) -> None:
+        self.space = space
+        params = space.params
+        self.names = tuple(params)  # `neighbours` steps the knobs in this order
+        self.values = tuple(tuple(params[n]) for n in self.names)
+        self.radix = np.array([len(v) for v in self.values], dtype=np.int64)
+        # the last knob varies fastest; code = sum(index_k * stride_k)
+        self.strides = np.array([math.prod(len(v) for v in self.values[i + 1:]) for i in range(len(self.values))],
+                                dtype=np.int64)
+        self.size = int(math.prod(int(r) for r in self.radix))
+        self.in_space = np.full(self.size, -1, dtype=np.int8)  # -1: not asked yet
+        self._configs: dict[int, Config] = {}
+        self._codes: dict[Config, int] = {}
+        # a Config's items are sorted by knob name: the knobs' positions in that order
+        self._sorted = sorted(range(len(self.names)), key=lambda i: self.names[i])
+        self._first = np.full(self.size, np.iinfo(np.int64).max, dtype=np.int64)  # first_unseen's scratch
+        self._lock = threading.Lock()  # for the scratch: dispatch may pick in several threads
+        kinds = [{type(v) for v in vals} for vals in self.values]
+        self._arrays = ([np.array(vals) for vals in self.values]
+                        if all(k == {int} or k == {str} for k in kinds) else None)
+
+    def encode_all(self, configs: Sequence[Config]) -> list[int] | None:
+        """The codes of `configs`, None if one is not exactly a point of the product (a knob missing
+        or extra, a value not among the knob's, or of another kind: 1024.0 for 1024)."""
+        out = []
+        for c in configs:
+            code = self._codes.get(c)  # an equal Config of the same value kinds (checked below)
+            if code is not None and all(type(a) is type(b)
+                                        for (_, a), (_, b) in zip(c.items, self.config(code).items)):
+                out.append(code)
+                continue
+            d = c.as_dict()
+            if len(d) != len(self.names):
+                return None
+            code = 0
+            for name, vals, stride in zip(self.names, self.values, self.strides):
+                v = d.get(name, _MISSING)
+                i = next((j for j, w in enumerate(vals) if type(w) is type(v) and w == v), -1)
+                if i < 0:
+                    return None
+                code += i * int(stride)
+            if len(self._codes) < 1_000_000:
+                self._codes[c] = code
+            out.append(code)
+        return out
+
+    def config(self, code: int) -> Config:
+        c = self._configs.get(code)
+        if c is None:
+            digits = [(code // int(st)) % int(r) for st, r in zip(self.strides, self.radix)]
+            c = self._configs[code] = Config(tuple((self.names[i], self.values[i][digits[i]]) for i in self._sorted))
+        return c
+
+    def first_unseen(self, codes: np.ndarray, visited: np.ndarray) -> np.ndarray:
+        """The codes not `visited`, each at its first occurrence, in order."""
+        codes = codes[~visited[codes]]
+        if len(codes) < 2:
+            return codes
+        pos = np.arange(len(codes), dtype=np.int64)
+        with self._lock:
+            np.minimum.at(self._first, codes, pos)
+            out = codes[self._first[codes] == pos]
+            self._first[codes] = np.iinfo(np.int64).max
+        return out
+
+    def neighbours(self, codes: np.ndarray) -> np.ndarray:
+        """(len(codes), 2 x knobs): per code, the codes one knob step away in `neighbours`' order
+        (per knob the previous value, then the next), -1 where the knob has none."""
+        out = np.empty((len(codes), 2 * len(self.names)), dtype=np.int64)
+        for k, (st, r) in enumerate(zip(self.strides, self.radix)):
+            digit = (codes // st) % r
+            out[:, 2 * k] = np.where(digit > 0, codes - st, -1)
+            out[:, 2 * k + 1] = np.where(digit < r - 1, codes + st, -1)
+        return out
+
+    def columns(self, codes: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Each knob's values at `codes`, as arrays (an int or str array per knob); None where a
+        knob's values are not all ints or all strings (no array holds them as they are)."""
+        if self._arrays is None:
+            return None
+        return {n: a[(codes // st) % r] for n, a, st, r in zip(self.names, self._arrays, self.strides, self.radix)}
+
+    def space_points(self, codes: np.ndarray) -> np.ndarray:
+        """The codes that are points of the space (constraints hold), in order."""
+        state = self.in_space[codes]
+        for code in codes[state < 0].tolist():
+            self.in_space[code] = 1 if self.space.check(self.config(code)) else 0
+        return codes[self.in_space[codes] == 1]
+
+
+_MISSING = object()
+_LATTICES: dict[tuple[str, int], _Lattice] = {}
+
+
+def _lattice(space: Any) -> _Lattice | None:
+    """The space's lattice (built once per space object), None for a product too large to index."""
+    key = (space.op, id(space))
+    lat = _LATTICES.get(key)
+    if lat is None or lat.space is not space:
+        if math.prod(len(v) for v in space.params.values()) > _LATTICE_MAX:
+            return None
+        lat = _LATTICES[key] = _Lattice(space)
+    return lat
+
+
+def _class_filter(op: OpSpec, p: Problem, target: Target, lat: _Lattice) -> Callable[[np.ndarray], Any]:
+    """Codes -> those `op.class_check` admits for p's problem class on this target (identity where
+    the op has no class check), each code's answer remembered per (op, class, arch)."""
+    cls = op.problem_class(p)
+    if cls is None:
+        return lambda codes: codes
+    key = (op.name, id(lat), cls, target)
+    state = _CLASS_STATE.get(key)
+    if state is None:
+        if len(_CLASS_STATE) > 64:
+            _CLASS_STATE.clear()
+        state = _CLASS_STATE[key] = np.full(lat.size, -1, dtype=np.int8)
+
+    def admit(codes: np.ndarray) -> np.ndarray:
+        unknown = codes[state[codes] < 0]
+        if len(unknown):
+            columns = lat.columns(unknown)
+            many = op.class_check_many(p, columns, target) if columns is not None else None
+            if many is not None:
+                state[unknown] = np.asarray(many, dtype=bool)
+            else:
+                for code in unknown.tolist():
+                    try:
+                        state[code] = 1 if op.class_check(p, lat.config(code), target) else 0
+                    except (KeyError, ValueError, TypeError, ArithmeticError):  # off the space: its check decides
+                        state[code] = 1
+        return codes[state[codes] == 1]
+
+    return admit
+
+
+_CLASS_STATE: dict[tuple, np.ndarray] = {}
+
+
 def candidates(op: OpSpec, p: Problem, target: Target, winners: Iterable[Config],
                usable: Callable[[Config], bool], limit: int = MAX_CANDIDATES) -> list[Config]:
     """The near tier of `candidate_tiers`: the usable winners (and the space default), then the
@@ -646,11 +908,13 @@ def related_winners(op: OpSpec, winners: dict[str, list[dict[str, Any]]]) -> lis
     fam = _family(op.name)
     names = [op.name] + sorted(n for n in winners if n != op.name and _family(n) == fam)
     out: list[Config] = []
+    seen: set[Config] = set()  # `out` as a set: hundreds of winners, a list's `in` was quadratic
     for n in names:
         for w in winners.get(n, []):
             c = Config.of({k: w.get(k, default[k]) for k in params})
-            if c not in out and op.space.check(c):
+            if c not in seen and op.space.check(c):
                 out.append(c)
+                seen.add(c)
     return out
 
 
@@ -756,7 +1020,8 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
 
 
 def _residuals_ok(v: Any) -> bool:
-    """One op's residual table is well formed (indices in range, residuals finite)."""
+    """One op's residual table is well formed (indices in range, knob values scalars, residuals
+    finite and within MAX_RESIDUAL)."""
     keys = ("knobs", "problems", "configs", "problem", "config", "residual")
     if not isinstance(v, dict) or not all(isinstance(v.get(k), list) for k in keys):
         return False
@@ -765,8 +1030,35 @@ def _residuals_ok(v: Any) -> bool:
             and all(isinstance(k, str) for k in v["knobs"])
             and all(isinstance(q, list) and len(q) == 2 and all(isinstance(x, str) for x in q) for q in v["problems"])
             and all(isinstance(c, list) and len(c) == n_k for c in v["configs"])
+            and {type(x) for c in v["configs"] for x in c} <= _KNOB_TYPES
             and _indices_ok(v["problem"], n_p) and _indices_ok(v["config"], n_c)
-            and _finite_numbers(v["residual"]))
+            and _finite_numbers(v["residual"], MAX_RESIDUAL))
+
+
+# A knob's value in a model file: what a tuning space holds (None: a knob the config lacks, in
+# the residual table). A list or dict would reach Config's hash and fail every unseen problem.
+_KNOB_TYPES = frozenset({str, int, float, bool, type(None)})
+
+
+def _config_ok(c: Any) -> bool:
+    return isinstance(c, dict) and all(isinstance(k, str) and type(v) in _KNOB_TYPES for k, v in c.items())
+
+
+def _number(x: Any) -> float:
+    """A JSON number as a float (not a bool or a string, which float() would take); ModelError
+    otherwise. Not finite: nan, which every range check rejects."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ModelError(f"expected a number, got {str(x)[:40]!r} ({type(x).__name__})")
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond a float
+        return math.nan
+
+
+def _mapping(x: Any, what: str) -> dict:
+    if not isinstance(x, dict):
+        raise ModelError(f"{what!r} is not a mapping")
+    return x
 
 
 def _vector(xs: list, kinds: str) -> np.ndarray | None:
@@ -785,9 +1077,9 @@ def _indices_ok(xs: list, n: int) -> bool:
     return a is not None and (not xs or (int(a.min()) >= 0 and int(a.max()) < n))
 
 
-def _finite_numbers(xs: list) -> bool:
+def _finite_numbers(xs: list, bound: float = math.inf) -> bool:
     a = _vector(xs, "if")
-    return a is not None and bool(np.isfinite(a).all())
+    return a is not None and bool(np.isfinite(a).all()) and (not xs or float(np.abs(a).max()) <= bound)
 
 
 def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.ndarray) -> dict[str, dict[str, Any]]:
@@ -896,12 +1188,18 @@ def load() -> CostModel | None:
             model = CostModel.from_doc(json.loads(path.read_text(encoding="utf-8")))
         except (ModelError, OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             model = None
-            if str(path) not in _warned:
-                _warned.add(str(path))
-                warnings.warn(f"ckgen cost model {path}: {str(e)[:300]}; unseen problems get the nearest tuned "
-                              "problem's winner instead", ModelWarning, stacklevel=3)
+            _warn_once(path, e)
         _loaded[key] = model
         return model
+
+
+def _warn_once(path: Path | None, e: Exception) -> None:
+    """One ModelWarning per model file: it cannot be used, the dispatcher falls back."""
+    if str(path) in _warned:
+        return
+    _warned.add(str(path))
+    warnings.warn(f"ckgen cost model {path}: {str(e)[:300]}; unseen problems get the nearest tuned "
+                  "problem's winner instead", ModelWarning, stacklevel=4)
 
 
 def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Callable[[Config], bool],
@@ -916,7 +1214,11 @@ def top_configs(op: OpSpec, p: Problem, target: Target, count: int, allowed: Cal
         return []
     cands, near = candidate_tiers(op, p, target, [*extra_winners, *model.winner_configs(op)],
                                   lambda c: bool(allowed(c)))
-    return [c for _, c in model.select(op, p, cands, near, target)[:count]]
+    try:
+        return [c for _, c in model.select(op, p, cands, near, target)[:count]]
+    except ModelError as e:  # a prediction that is not finite: no seeds from this model
+        _warn_once(model_path(), e)
+        return []
 
 
 # ---------------------------------------------------------------------------------- command line
@@ -1063,8 +1365,7 @@ SPLIT_KNOBS = ("global_split", "split")  # blocks per slice, beyond a cluster's 
 
 
 def _blocks(op: OpSpec, p: Problem, c: Config, target: Target) -> int:
-    l = _main_launch(op, p, c, op.launches(p, c, target))
-    return int(np.prod(l.grid))
+    return op.main_blocks(p, c, target)
 
 
 def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) -> Config | None:
@@ -1079,19 +1380,49 @@ def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) 
         return None
     try:
         want = _blocks(op, q, c, target)
-        best, best_d = None, None
-        for v in op.space.params[knob]:
-            if v <= 1:
-                continue
-            cv = c.replace(**{knob: v})
-            if not op.space.check(cv) or not op.validate(p, cv, target):
-                continue
-            d = abs(math.log(_blocks(op, p, cv, target) / want))
-            if best_d is None or d < best_d - 1e-9:
-                best, best_d = cv, d
     except (ValueError, KeyError, ZeroDivisionError):
         return None
+
+    def valid(cv: Config) -> bool:
+        return bool(op.space.check(cv)) and bool(op.validate(p, cv, target))
+
+    # The scan over the knob's values keeps the first valid value whose distance beats the best so
+    # far by 1e-9: the valid value of least distance, the earliest of equal ones. It is found by
+    # validating the values nearest first (one or two validate calls, not one per value); a
+    # distance that cannot be computed ends the scan with None if its value is valid, as before.
+    dists: list[tuple[float, int, Config]] = []
+    for i, v in enumerate(op.space.params[knob]):
+        if v <= 1:
+            continue
+        cv = _replaced(c, knob, v)
+        try:
+            dists.append((abs(math.log(_blocks(op, p, cv, target) / want)), i, cv))
+        except (ValueError, KeyError, ZeroDivisionError):
+            if valid(cv):
+                return None
+    ds = sorted(d for d, _, _ in dists)
+    if any(0 < b - a <= 1e-9 for a, b in zip(ds, ds[1:])):  # near-ties: the scan itself decides
+        best, best_d = None, None
+        for d, _, cv in dists:
+            if (best_d is None or d < best_d - 1e-9) and valid(cv):
+                best, best_d = cv, d
+    else:
+        best = next((cv for _, _, cv in sorted(dists, key=lambda x: (x[0], x[1])) if valid(cv)), None)
     return best if best is not None and best != c else None
+
+
+_REPLACED: dict[tuple[Config, str, Any], Config] = {}
+
+
+def _replaced(c: Config, knob: str, v: Any) -> Config:
+    """c.replace(knob=v), remembered (the DB winners' split variants, for every unseen problem)."""
+    key = (c, knob, v)
+    out = _REPLACED.get(key)
+    if out is None:
+        if len(_REPLACED) > 100_000:
+            _REPLACED.clear()
+        out = _REPLACED[key] = c.replace(**{knob: v})
+    return out
 
 
 def carried_winners(op: OpSpec, p: Problem, target: Target, winners: Iterable[tuple[Config, str]],
@@ -1101,7 +1432,7 @@ def carried_winners(op: OpSpec, p: Problem, target: Target, winners: Iterable[tu
     itself (`dispatch_pick` from the DB entries, `tune.model_picks` from the records)."""
     out: list[Config] = []
     for c, key in winners:
-        g = grid_matched(op, op.problem_from_key(key), p, c, target)
+        g = grid_matched(op, _problem_of(op, key), p, c, target)
         if g is not None and g not in out:
             out.append(g)
     return out
@@ -1121,29 +1452,68 @@ def recorded_winners(records: Iterable[dict[str, Any]], op: OpSpec, arch: str) -
 
 def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
                   usable: Callable[[Config], bool], accept: Callable[[Config], bool] | None = None,
+                  admitted: Callable[[Config], bool] | None = None,
                   ) -> tuple[Config, Prediction, int, str | None] | None:
     """The dispatcher's question for a problem no usable DB entry covers: the model's best
     candidate (the DB entries' winners of this op on this vendor, nearest problem first, join
     the recorded ones), or a tuned sibling's winner it does not beat by NEAREST_MARGIN; its
     prediction, the candidate count and the sibling's problem key (None: the model's own pick);
     None without a model. `accept`: the compiled check an untuned pick must pass
-    (`library.spill_free`), asked of the model's best few and of the sibling's winner."""
+    (`library.spill_free`), asked of the model's best few and of the sibling's winner.
+    `admitted`: `usable` for configs of the space that `op.class_check` admits (`candidate_tiers`)."""
     model = load()
     if model is None:
         return None
-    params = op.space.params
-    mine = sorted(((op.distance(p, op.problem_from_key(e.problem)), e) for e in entries
+    try:
+        return _dispatch_pick(model, op, p, target, entries, usable, accept, admitted)
+    except ModelError as e:  # a prediction that is not finite: the nearest-tuned fallback, as without a model
+        _warn_once(model_path(), e)
+        return None
+
+
+_PARSED: dict[tuple[str, str], Problem] = {}
+_ENTRY_CONFIGS: dict[tuple[str, int, tuple], Config | None] = {}
+
+
+def _problem_of(op: OpSpec, key: str) -> Problem:
+    """op.problem_from_key, remembered: every unseen problem's pick orders the DB entries of its op
+    by their problems' distance, and parsing their keys again each time cost milliseconds."""
+    p = _PARSED.get((op.name, key))
+    if p is None:
+        if len(_PARSED) > 100_000:
+            _PARSED.clear()
+        p = _PARSED[(op.name, key)] = op.problem_from_key(key)
+    return p
+
+
+def _entry_config(op: OpSpec, e: Any) -> Config | None:
+    """A DB entry's config as a point of op's space, None if it is none (remembered per space)."""
+    key = (op.name, id(op.space), e.config)
+    if key not in _ENTRY_CONFIGS:
+        if len(_ENTRY_CONFIGS) > 100_000:
+            _ENTRY_CONFIGS.clear()
+        c = Config.of(e.config_dict())
+        ok = set(c.as_dict()) == set(op.space.params) and op.space.check(c)
+        _ENTRY_CONFIGS[key] = c if ok else None
+    return _ENTRY_CONFIGS[key]
+
+
+def _dispatch_pick(model: CostModel, op: OpSpec, p: Problem, target: Target, entries: Sequence[Any],
+                   usable: Callable[[Config], bool], accept: Callable[[Config], bool] | None,
+                   admitted: Callable[[Config], bool] | None = None,
+                   ) -> tuple[Config, Prediction, int, str | None] | None:
+    mine = sorted(((op.distance(p, _problem_of(op, e.problem)), e) for e in entries
                    if e.op == op.name and e.vendor == target.vendor),
                   key=lambda de: (de[0], de[1].arch != target.arch, de[1].problem))
     extra, siblings = [], []
     for d, e in mine:
-        c = Config.of(e.config_dict())
-        if set(c.as_dict()) == set(params) and op.space.check(c):
+        c = _entry_config(op, e)
+        if c is not None:
             extra.append(c)
             extra += carried_winners(op, p, target, [(c, e.problem)])
             if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
-    got = model.choose(op, p, target, lambda c: bool(usable(c)), extra, accept)
+    got = model.choose(op, p, target, lambda c: bool(usable(c)), extra, accept, admitted)
     if got is None:
         return None
     if NEAREST_MARGIN is not None:

@@ -18,6 +18,7 @@ call's arguments to a plan: `api.callkeys` caches signature -> plan."""
 from __future__ import annotations
 
 import logging
+import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -123,10 +124,34 @@ class Dispatcher:
         return hit
 
     def _usable(self, op: OpSpec, problem: Problem, config: Config, target: Target, max_vec: int) -> str | None:
-        if "vec_bytes" in config.as_dict() and config["vec_bytes"] > max_vec:
-            return f"vec_bytes={config['vec_bytes']} exceeds the pointers' {max_vec}-byte alignment"
+        why = self._aligned(config, max_vec)
+        if why is not None:
+            return why
         ok = op.validate(problem, config, target)
         return None if ok else ok.reason
+
+    @staticmethod
+    def _aligned(config: Config, max_vec: int) -> str | None:
+        try:
+            vb = config["vec_bytes"]
+        except KeyError:  # a space without vectors
+            vb = 0
+        return f"vec_bytes={vb} exceeds the pointers' {max_vec}-byte alignment" if vb > max_vec else None
+
+    def _why_none(self, op: OpSpec, problem: Problem, target: Target, max_vec: int, top: int = 3) -> str:
+        """Why no config of the space runs `problem`: its `top` most common reasons. Reasons that
+        differ in their numbers alone count as one, shown by their first instance ("like it")."""
+        groups: dict[str, list] = {}
+        for c in op.space.enumerate():
+            why = self._usable(op, problem, c, target, max_vec)
+            if why is not None:
+                g = groups.setdefault(re.sub(r"\d+", "#", why), [0, why, False])
+                g[0] += 1
+                g[2] = g[2] or why != g[1]
+        ranked = sorted(groups.values(), key=lambda g: -g[0])[:top]
+        total = sum(g[0] for g in groups.values())
+        return (f"the most common reasons, over its {total} configs: "
+                + "; ".join(f"{why} ({n} configs{' like it' if alike else ''})" for n, why, alike in ranked))
 
     def _select(self, op: OpSpec, problem: Problem, target: Target, max_vec: int) -> tuple[Choice, KernelSource]:
         db = self.database()
@@ -148,8 +173,13 @@ class Dispatcher:
         from .library import spill_free  # NHWC pooling forward: passes over picks whose cubins spill
 
         accept = spill_free(op, problem, target)
+
+        def admitted(c: Config) -> bool:  # _usable for a config of the space that op.class_check admits
+            return self._aligned(c, max_vec) is None and bool(op.shape_check(problem, c, target))
+
         picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
-                                         lambda c: self._usable(op, problem, c, target, max_vec) is None, accept)
+                                         lambda c: self._usable(op, problem, c, target, max_vec) is None, accept,
+                                         admitted)
         if picked is not None:
             config, pred, n, sibling = picked
             src = render_instance(op, problem, config, target)
@@ -167,9 +197,12 @@ class Dispatcher:
                 src = render_instance(op, problem, config, target)
                 return Choice(op.name, problem.key(), src.name, config, "nearest",
                               f"{stale}not tuned; using the winner of the nearest tuned problem {e.problem}", e), src
-        config = op.space.nearest_default(lambda c: self._usable(op, problem, c, target, max_vec) is None)
+        config = op.space.default  # nearest_default's first answer, without ordering the whole space
+        if self._usable(op, problem, config, target, max_vec) is not None:
+            config = op.space.nearest_default(lambda c: self._usable(op, problem, c, target, max_vec) is None)
         if config is None:
-            raise ValueError(f"{op.name}: no config of the tuning space can run {problem.key()}")
+            raise ValueError(f"{op.name}: no config of the tuning space can run {problem.key()}; "
+                             + self._why_none(op, problem, target, max_vec))
         src = render_instance(op, problem, config, target)
         what = "the default config" if config == op.space.default else "the valid config nearest the default"
         return Choice(op.name, problem.key(), src.name, config, "default",

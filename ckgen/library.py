@@ -280,8 +280,9 @@ _SPILLS: dict[str, int | None] = {}
 
 def spill_bytes(op: OpSpec, p: Any, config: Config, target: Target) -> int | None:
     """Bytes per thread the instance's kernels spill: the stack frame of the cubin that the
-    launch would load (`compile.ensure_cubin`: NVRTC, no GPU needed, into the kernel cache, so
-    an accepted pick is not compiled again), read from the cubin itself (`compile.frame_bytes`);
+    launch would load (`compile.cubin_bytes`: NVRTC, no GPU needed, into the kernel cache, so
+    an accepted pick is not compiled again; a cache that cannot take it is warned about once and
+    the check goes on in memory), read from the cubin itself (`compile.frame_bytes`);
     remembered per source. None where that cannot be told (a HIP target, no NVRTC, a failed
     build). Not from ptxas's -v log: a second process compiling the same
     source got no ptxas report (a compile cache), and an empty report read as "no spill"."""
@@ -291,10 +292,10 @@ def spill_bytes(op: OpSpec, p: Any, config: Config, target: Target) -> int | Non
     if src.sha256 not in _SPILLS:
         if nvrtc_missing():
             return None
-        from .compile import CompileError, ensure_cubin, frame_bytes
+        from .compile import CompileError, cubin_bytes, frame_bytes
 
         try:
-            _SPILLS[src.sha256] = frame_bytes(ensure_cubin(src, target).read_bytes())
+            _SPILLS[src.sha256] = frame_bytes(cubin_bytes(src, target))
         except CompileError:
             _SPILLS[src.sha256] = None
     return _SPILLS[src.sha256]

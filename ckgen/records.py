@@ -17,7 +17,8 @@ what the repo holds: the exhaustive sweeps (bench/results/sweeps), every trial o
 runs (bench/results/tuning), the shipped DB's winners and default timings, and the suite
 benchmarks (bench/results/*.json), never the held-out problems (bench/heldout.yaml).
 
-Reading is tolerant: a malformed line is skipped, with one warning per file. Nothing here
+Reading is tolerant: a malformed line (a line nested too deeply to parse too) is skipped, with
+one warning per file. Nothing here
 imports CuPy."""
 from __future__ import annotations
 
@@ -128,6 +129,9 @@ def read(path: Path | str) -> list[dict[str, Any]]:
         except (ValueError, TypeError, KeyError, ArithmeticError) as e:
             bad += 1
             first = first or f"line {n}: {str(e)[:200]}"
+        except RecursionError:  # nested deeper than the parser can recurse: a malformed line like any other
+            bad += 1
+            first = first or f"line {n}: nested too deeply to parse"
     if bad:
         warnings.warn(f"ckgen records {path}: skipped {bad} malformed line(s) (first: {first})",
                       RecordsWarning, stacklevel=2)

@@ -45,7 +45,11 @@ def _is_torch(obj: Any) -> bool:
 def as_device_tensor(obj: Any, arg: str) -> DeviceTensor:
     if _is_torch(obj):
         if not obj.is_cuda:
-            raise TypeError(f"{arg}: a CPU torch tensor; move it to the GPU with {arg}.cuda()")
+            if obj.is_meta:  # shapes only (torch.compile's fake tensors run the fake kernels, not this)
+                raise TypeError(f"{arg}: a meta tensor (a shape and dtype, no data); ckgen computes on the "
+                                f"data of a torch CUDA tensor: create {arg} on the GPU (device='cuda')")
+            where = "a CPU torch tensor" if obj.device.type == "cpu" else f"a torch tensor on {obj.device}"
+            raise TypeError(f"{arg}: {where}; move it to the GPU with {arg}.cuda()")
         dt = _TORCH_DTYPES.get(str(obj.dtype))
         if dt is None:
             raise TypeError(f"{arg}: dtype {obj.dtype} is not supported; use float32, float16 or bfloat16")

@@ -54,7 +54,7 @@ class Support:
 
     @classmethod
     def yes(cls) -> "Support":
-        return cls(True)
+        return _YES if cls is Support else cls(True)  # immutable: one is enough
 
     @classmethod
     def no(cls, reason: str) -> "Support":
@@ -62,6 +62,9 @@ class Support:
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+_YES = Support(True)
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,27 @@ class Config:
     def of(cls, values: Mapping[str, Any]) -> "Config":
         return cls(tuple(sorted(values.items())))
 
+    # The lookup dict, key and hash are remembered on the object (not fields: eq and repr stay
+    # the items'); an unseen problem's pick hashes and reads its thousands of configs many times.
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            object.__setattr__(self, "_hash", hash(self.items))
+            return self._hash
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"items": self.items}  # not the memos: a str's hash differs from process to process
+
     def __getitem__(self, name: str) -> Any:
-        for k, v in self.items:
-            if k == name:
-                return v
-        raise KeyError(name)
+        # A dict of the items, built on the first lookup (not a field: eq, hash and repr stay the
+        # items'): validate and the cost model read a config's knobs by name thousands of times
+        # per unseen problem, and a scan of the items cost a microsecond each.
+        try:
+            return self._map[name]
+        except AttributeError:
+            object.__setattr__(self, "_map", dict(self.items))
+            return self._map[name]
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.items)
@@ -89,7 +108,11 @@ class Config:
         return Config.of(d)
 
     def key(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.items)
+        try:  # built once per config (the cost model breaks its ranking's ties with it)
+            return self._key
+        except AttributeError:
+            object.__setattr__(self, "_key", ",".join(f"{k}={v}" for k, v in self.items))
+            return self._key
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,10 @@ def _plan_fwd(x: Any, gamma: Any, beta: Any, groups: Any, eps: Any = 1e-5, activ
     except Slow:
         key = None
     op, p, xt, gt, bt = _problem("groupnorm_fwd", x, gamma, beta, groups, activation)
+    if p.N * p.Cg * p.HW == 1:  # where F.group_norm raises (its _verify_batch_size), before any launch
+        raise ValueError(f"x: shape {xt.shape} with groups={p.G} leaves N*(C/groups)*H*W = 1 value to "
+                         "normalize; PyTorch's group_norm refuses it too (\"Expected more than 1 value per "
+                         "channel when training\")")
     ins = {"x": xt.ptr, "gamma": _ptr(gt), "beta": _ptr(bt)}
     outs = (Output("y", xt.shape, p.layout, p.dtype), Output("mean", (p.N, p.G), "flat", "fp32"),
             Output("rstd", (p.N, p.G), "flat", "fp32"))

@@ -1,6 +1,7 @@
 """GroupNorm ops, each declared once as an OpSpec."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
@@ -11,7 +12,7 @@ from ..space import load_space
 from ..target import coresident_sms
 from ..types import DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, short_repr
 from .numeric import from_storage, round_to, to_storage
-from .spec import OpSpec, Problem, check_choice, check_int, full_shapes
+from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, problem_of
 
 ACTIVATIONS = ("none", "swish")
 # slice_in=reload sums each thread's values into fp32 accumulators one after another (NHWC: one
@@ -88,17 +89,21 @@ class GroupNormProblem(Problem):
             raise ValueError(f"groups: C={self.C} is not divisible by groups={self.G}; pick G dividing C")
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("layout", self.layout, LAYOUTS)
+        if self.activation is None:  # the public functions' spelling of "none" (their default)
+            object.__setattr__(self, "activation", "none")
         check_choice("activation", self.activation, ACTIVATIONS, "None, 'swish'")
 
-    @property
+    # Remembered per problem (not fields: eq, hash and the key stay the fields'): validate and
+    # the cost model read them for every config of an unseen problem's pick.
+    @functools.cached_property
     def HW(self) -> int:
         return self.H * self.W
 
-    @property
+    @functools.cached_property
     def Cg(self) -> int:
         return self.C // self.G
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return self.N * self.C * self.HW
 
@@ -114,6 +119,30 @@ class GroupNormProblem(Problem):
                        kv["dtype"], kv["layout"], kv.get("act", "none"))
         except (KeyError, ValueError) as e:
             raise ValueError(f"problem key {short_repr(key)} is malformed: {e}") from None
+
+
+def gn_problem_class(op: OpSpec, p: GroupNormProblem) -> tuple[str, str, int]:
+    """A GroupNorm op's `problem_class`: dtype, layout and, in NCHW, gcd(H*W, the lcm of the
+    space's vec_bytes), which decides whether H*W is a whole number of vectors of any width
+    (a vector's elements divide its bytes); NHWC reads whole pixels (0)."""
+    if p.layout != "nchw":
+        return p.dtype, p.layout, 0
+    return p.dtype, p.layout, math.gcd(p.HW, math.lcm(*op.space.params["vec_bytes"]))
+
+
+_NAMES: dict[tuple, str] = {}
+
+
+def gn_instance_name(op: OpSpec, p: GroupNormProblem, config: Config, make: Any) -> str:
+    """`make(p, config)` (a GroupNorm op's instance name: the dtype, layout, activation and config
+    alone), remembered: the cost model names every candidate of every unseen problem."""
+    key = (op.name, p.dtype, p.layout, p.activation, config)
+    name = _NAMES.get(key)
+    if name is None:
+        if len(_NAMES) > 200_000:
+            _NAMES.clear()
+        name = _NAMES[key] = make(p, config)
+    return name
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -141,7 +170,7 @@ class GroupNormOp(OpSpec):
         return load_space(self.name)
 
     def parse_problem(self, **kw: Any) -> GroupNormProblem:
-        return GroupNormProblem(**kw)
+        return problem_of(GroupNormProblem, kw, "GroupNorm")
 
     def problem_from_key(self, key: str) -> GroupNormProblem:
         return GroupNormProblem.from_key(key)
@@ -191,14 +220,14 @@ class GroupNormFwd(GroupNormOp):
     def vec_elems(self, problem: GroupNormProblem, config: Config) -> int:
         return config["vec_bytes"] // DTYPES[problem.dtype]["itemsize"]
 
-    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
-        in_space = self.space.check(config)
-        if not in_space:
-            return in_space
+    def problem_class(self, p: GroupNormProblem) -> tuple[str, str, int]:
+        return gn_problem_class(self, p)
+
+    def class_check(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        """What the dtype, layout, H*W's vector divisors (NCHW) and target rule out
+        (`OpSpec.class_check`)."""
         item = DTYPES[p.dtype]["itemsize"]
-        vb, threads, items = config["vec_bytes"], config["threads"], config["items"]
-        gpb, cluster = config["groups_per_block"], config["cluster"]
-        split = cluster if config["merge"] == "cluster" else config["global_split"]
+        vb, threads, items, cluster = config["vec_bytes"], config["threads"], config["items"], config["cluster"]
         if vb % item:
             return Support.no(f"vec_bytes={vb} is not a whole number of {p.dtype} elements")
         vec = vb // item
@@ -206,19 +235,59 @@ class GroupNormFwd(GroupNormOp):
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         if cluster > 1 and not target.clusters:
             return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
-        if p.Cg * p.HW // vec > INT32_MAX:
-            return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
-        regs_needed = fwd_regs_needed(p, config)
-        if regs_needed > _regs_per_thread(config):
+        if fwd_regs_needed(p, config) > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
-        if whole_rows(config):
-            return self._validate_rows(p, config, vec, split, target)
-        if p.layout == "nchw":
-            if gpb != 1:
+        if whole_rows(config) and p.layout != "nhwc":
+            what = "merge=grid" if config["merge"] == "grid" else "slice_in=rows"
+            return Support.no(f"{what} reads whole NHWC pixel rows; NCHW slices are contiguous")
+        if not whole_rows(config) and p.layout == "nchw":
+            if config["groups_per_block"] != 1:
                 return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
             if p.HW % vec:
                 return Support.no(f"vector of {vec} does not divide H*W={p.HW}")
+        return Support.yes()
+
+    def class_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray:
+        """`class_check` on arrays of knob values (`OpSpec.class_check_many`): the same tests."""
+        item = DTYPES[p.dtype]["itemsize"]
+        vb, threads, items, slice_in = k["vec_bytes"], k["threads"], k["items"], k["slice_in"]
+        ok = (vb % item == 0) & (threads % target.warp_size == 0)
+        if not target.clusters:
+            ok &= k["cluster"] <= 1
+        vec = np.maximum(vb // item, 1)  # where vb < item, ok is already False
+        packed = items * vec * item // 4  # fwd_regs_needed
+        regs = np.where(slice_in == "regs", packed, np.where(slice_in == "rows", 2 * packed, items * vec // 2)) + 32
+        regs += 3 * vec if p.layout == "nhwc" else 0
+        ok &= regs <= np.minimum(255, 65536 // (threads * k["min_blocks"]))
+        rows = (slice_in == "rows") | (k["merge"] == "grid")  # whole_rows
+        if p.layout != "nhwc":
+            ok &= ~rows
+        if p.layout == "nchw":
+            ok &= rows | ((k["groups_per_block"] == 1) & (p.HW % vec == 0))
+        return ok
+
+    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        in_space = self.space.check(config)
+        if not in_space:
+            return in_space
+        of_class = self.class_check(p, config, target)
+        if not of_class:
+            return of_class
+        return self.shape_check(p, config, target)
+
+    def shape_check(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        """validate's checks of the problem's sizes (`OpSpec.shape_check`)."""
+        item = DTYPES[p.dtype]["itemsize"]
+        vb, threads, items = config["vec_bytes"], config["threads"], config["items"]
+        gpb, cluster = config["groups_per_block"], config["cluster"]
+        split = cluster if config["merge"] == "cluster" else config["global_split"]
+        vec = vb // item
+        if p.Cg * p.HW // vec > INT32_MAX:
+            return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
+        if whole_rows(config):
+            return self._validate_rows(p, config, vec, split, target)
+        if p.layout == "nchw":  # class_check: H*W is a whole number of vectors
             nvec = p.Cg * p.HW // vec
             share = -(-nvec // split)
             if config["slice_in"] == "regs" and share > threads * items:
@@ -250,10 +319,7 @@ class GroupNormFwd(GroupNormOp):
     def _validate_rows(self, p: GroupNormProblem, config: Config, vec: int, split: int, target: Target) -> Support:
         """Blocks of whole NHWC pixel rows (all C channels), SPLIT blocks per sample: slice_in=rows,
         and slice_in=regs with merge=grid (each thread holds its rows of the share)."""
-        threads = config["threads"]
-        what = "merge=grid" if config["merge"] == "grid" else "slice_in=rows"
-        if p.layout != "nhwc":
-            return Support.no(f"{what} reads whole NHWC pixel rows; NCHW slices are contiguous")
+        threads = config["threads"]  # NHWC: class_check refused NCHW
         tile, rows, share = nhwc_tile(p.C, vec, threads, split, p.HW, f"the row's C={p.C} channels", 2048)
         if not tile:
             return tile
@@ -290,6 +356,9 @@ class GroupNormFwd(GroupNormOp):
         return (config["slice_in"], config["cluster"], config["merge"])
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
+        return gn_instance_name(self, p, config, self._instance_name)
+
+    def _instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config
         act = "_swish" if p.activation == "swish" else ""
         return (f"ckgen_groupnorm_fwd_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}"
@@ -301,6 +370,9 @@ class GroupNormFwd(GroupNormOp):
         return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout,
                     activation=p.activation, storage=d["storage"], itemsize=d["itemsize"],
                     vec=self.vec_elems(p, config))
+
+    def main_blocks(self, p: Any, config: Config, target: Target) -> int:
+        return self._blocks(p, config)  # the main launch's grid is (_blocks, 1, 1)
 
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
         split = config["cluster"] if config["merge"] == "cluster" else config["global_split"]

@@ -7,8 +7,8 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .groupnorm import (GroupNormOp, GroupNormProblem, grid_barrier_fits, groupnorm_bwd_reference,
-                        groupnorm_fwd_reference, nhwc_tile)
+from .groupnorm import (GroupNormOp, GroupNormProblem, gn_instance_name, gn_problem_class, grid_barrier_fits,
+                        groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile)
 from .numeric import from_storage, round_to, to_storage
 from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
@@ -70,13 +70,15 @@ class _GroupNormBwd(GroupNormOp):
         cooperative launch), and fold dgamma/dbeta in the same kernel after it."""
         return grid_merged(self.scheme(config), config["split"])
 
-    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
-        in_space = self.space.check(config)
-        if not in_space:
-            return in_space
+    def problem_class(self, p: GroupNormProblem) -> tuple[str, str, int]:
+        return gn_problem_class(self, p)
+
+    def class_check(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        """What the dtype, layout, H*W's vector divisors (NCHW) and target rule out
+        (`OpSpec.class_check`)."""
         item = DTYPES[p.dtype]["itemsize"]
         vb, threads, items = config["vec_bytes"], config["threads"], config["items"]
-        gpb, split, scheme = config["groups_per_block"], config["split"], self.scheme(config)
+        split, scheme = config["split"], self.scheme(config)
         if vb % item:
             return Support.no(f"vec_bytes={vb} is not a whole number of {p.dtype} elements")
         vec = vb // item
@@ -85,19 +87,58 @@ class _GroupNormBwd(GroupNormOp):
         if scheme not in STAGED and 1 < split <= CLUSTER_MAX and not target.clusters:
             return Support.no(f"{scheme} with split={split} needs thread-block clusters (sm_90+); "
                               f"{target.arch} has none (multi_stage and pipelined split through memory)")
-        if p.Cg * p.HW // vec > _INT32_MAX:
-            return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
         if bwd_regs_needed(p, config, scheme) > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values of x and dy per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
-        ch = gpb * p.Cg
-        if ch > MAX_TILE_CHANNELS:
-            return Support.no(f"tile of {ch} channels exceeds {MAX_TILE_CHANNELS} (shared-memory channel sums)")
         if p.layout == "nchw":
-            if gpb != 1:
+            if config["groups_per_block"] != 1:
                 return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
             if p.HW % vec:
                 return Support.no(f"vector of {vec} does not divide H*W={p.HW}")
+        return Support.yes()
+
+    def class_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray:
+        """`class_check` on arrays of knob values (`OpSpec.class_check_many`): the same tests."""
+        item = DTYPES[p.dtype]["itemsize"]
+        vb, threads, items, split = k["vec_bytes"], k["threads"], k["items"], k["split"]
+        scheme = k["scheme"] if self.want_dx else np.full(len(vb), "multi_stage")
+        ok = (vb % item == 0) & (threads % target.warp_size == 0)
+        staged = (scheme == STAGED[0]) | (scheme == STAGED[1])
+        if not target.clusters:
+            ok &= staged | ~((split > 1) & (split <= CLUSTER_MAX))
+        vec = np.maximum(vb // item, 1)  # where vb < item, ok is already False
+        packed = 2 * items * vec * item // 4  # bwd_regs_needed
+        merged = ((scheme == "single_pass") | (scheme == "fused")) & (split > CLUSTER_MAX)  # grid_merged
+        two_steps = ((scheme == "pipelined") | merged) if p.layout == "nhwc" else np.zeros(len(vb), dtype=bool)
+        regs = np.where(scheme == "single_pass", packed + 40,
+                        np.where(two_steps, 2 * packed + 40, 2 * items * vec + 40))
+        regs += 7 * vec if p.layout == "nhwc" else 0
+        ok &= regs <= np.minimum(255, 65536 // (threads * k["min_blocks"]))
+        if p.layout == "nchw":
+            ok &= (k["groups_per_block"] == 1) & (p.HW % vec == 0)
+        return ok
+
+    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        in_space = self.space.check(config)
+        if not in_space:
+            return in_space
+        of_class = self.class_check(p, config, target)
+        if not of_class:
+            return of_class
+        return self.shape_check(p, config, target)
+
+    def shape_check(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        """validate's checks of the problem's sizes (`OpSpec.shape_check`)."""
+        item = DTYPES[p.dtype]["itemsize"]
+        vb, threads, items = config["vec_bytes"], config["threads"], config["items"]
+        gpb, split, scheme = config["groups_per_block"], config["split"], self.scheme(config)
+        vec = vb // item
+        if p.Cg * p.HW // vec > _INT32_MAX:
+            return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
+        ch = gpb * p.Cg
+        if ch > MAX_TILE_CHANNELS:
+            return Support.no(f"tile of {ch} channels exceeds {MAX_TILE_CHANNELS} (shared-memory channel sums)")
+        if p.layout == "nchw":  # class_check: H*W is a whole number of vectors
             if scheme == "single_pass" and threads * items > NCHW_STEP_VECTORS:
                 return Support.no(f"threads*items={threads * items} exceeds {NCHW_STEP_VECTORS} per-vector "
                                   f"partials in shared memory (NCHW)")
@@ -157,6 +198,9 @@ class _GroupNormBwd(GroupNormOp):
         return (self.scheme(config), config["split"] > 1)
 
     def instance_name(self, p: GroupNormProblem, config: Config) -> str:
+        return gn_instance_name(self, p, config, self._instance_name)
+
+    def _instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config
         act = "_swish" if p.activation == "swish" else ""
         scheme = {"single_pass": "sp", "fused": "fu", "multi_stage": "ms", "pipelined": "pl"}[self.scheme(c)]
@@ -172,6 +216,9 @@ class _GroupNormBwd(GroupNormOp):
                     grid_merge=self.grid_merge(config))
 
     # ---- launches and memory ----
+    def main_blocks(self, p: Any, config: Config, target: Target) -> int:
+        return self._blocks(p, config)  # the main launch's grid is (_blocks, 1, 1)
+
     def _blocks(self, p: GroupNormProblem, config: Config) -> int:
         return p.N * (p.G // config["groups_per_block"]) * config["split"]
 

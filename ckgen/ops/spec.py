@@ -8,6 +8,7 @@ Nothing here imports CuPy: specs, spaces, rendering and the DB run on machines w
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -16,7 +17,7 @@ from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target
                      short_repr)
 
 __all__ = ["DTYPES", "INT32_MAX", "LAYOUTS", "Config", "Launch", "OpSpec", "Problem", "Support", "Target", "Tolerance",
-           "check_choice", "check_flag", "check_int", "short_repr"]
+           "check_choice", "check_flag", "check_int", "problem_of", "short_repr"]
 
 
 def check_int(name: str, v: Any, lo: int = 1, hi: int = INT32_MAX) -> int:
@@ -46,6 +47,29 @@ def check_choice(name: str, v: Any, choices: Any, shown: str | None = None) -> s
     if not isinstance(v, str) or v not in choices:
         raise ValueError(f"{name}: {short_repr(v)} is not one of {shown or list(choices)}")
     return v
+
+
+def problem_of(cls: type, kw: Mapping[str, Any], what: str, aliases: Mapping[str, str] | None = None,
+               filled: Sequence[str] = ()) -> Any:
+    """`cls(**kw)` for a problem dataclass, with a TypeError that names the first missing or
+    unknown field and lists the fields (not Python's "__init__() missing 3 required positional
+    arguments"). `what` names the problem kind; `aliases` maps other accepted keywords to the
+    fields they stand for (pooling's kernel_size for kernel), shown in their place; `filled`:
+    fields without a default that the caller fills when absent (listed as optional)."""
+    fields = dataclasses.fields(cls)
+    shown = {v: k for k, v in (aliases or {}).items()}
+    required = [f.name for f in fields if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING and f.name not in filled]
+    optional = [shown.get(f.name, f.name) for f in fields if f.name not in required]
+    listed = ", ".join(shown.get(n, n) for n in required) + (f"; optional: {', '.join(optional)}" if optional else "")
+    names = {f.name for f in fields}
+    for k in kw:
+        if k not in names:
+            raise TypeError(f"{k}: not a field of a {what} problem (its fields: {listed})")
+    for n in required:
+        if n not in kw:
+            raise TypeError(f"{shown.get(n, n)}: missing; a {what} problem needs {listed}")
+    return cls(**kw)
 
 
 class Problem(abc.ABC):
@@ -130,6 +154,31 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def validate(self, problem: Any, config: Config, target: Target) -> Support: ...
 
+    def problem_class(self, problem: Any) -> Any:
+        """What of `problem` `class_check` reads (hashable), or None: no class check. The cost
+        model's candidate walk remembers `class_check`'s answers per (op, problem class, target),
+        so that a later problem of the class asks `validate` only about configs it admits."""
+        return None
+
+    def class_check(self, problem: Any, config: Config, target: Target) -> Support:
+        """The part of `validate` that reads only `problem_class(problem)` of the problem (and the
+        config and target); validate makes it first after the space's check, so a config it
+        refuses is invalid for every problem of the class. By default: admits all."""
+        return Support.yes()
+
+    def shape_check(self, problem: Any, config: Config, target: Target) -> Support:
+        """What `validate` checks after the space's check and `class_check`: validate is the three
+        in that order, so for a config of the space that class_check admits, this is validate's
+        answer (the candidate walk asks it alone there). By default validate itself."""
+        return self.validate(problem, config, target)
+
+    def class_check_many(self, problem: Any, knobs: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
+        """`bool(class_check)` of many configs at once, `knobs` holding each knob's values as an
+        array (one entry per config), as a bool array; None where the op has no such form (the
+        walk then asks `class_check` per config). Must agree with `class_check` everywhere
+        (tests/test_pick_latency.py compares them over the product of each space)."""
+        return None
+
     def spill_prone(self, problem: Any) -> bool:
         """True where `validate`'s register estimate is known to admit configs that spill: the
         dispatcher then compiles an untuned pick (offline, NVRTC) and takes the next candidate
@@ -145,6 +194,16 @@ class OpSpec(abc.ABC):
     @abc.abstractmethod
     def launches(self, problem: Any, config: Config, target: Target) -> tuple[Launch, ...]:
         """The kernels of one call, in order (all take the same arguments)."""
+
+    def main_blocks(self, problem: Any, config: Config, target: Target) -> int:
+        """Blocks of the call's main launch (the one named as the instance, else its `_stats`
+        kernel, else the first): the grid the cost model carries a winner's split with. Ops
+        that know it without building their launches say so faster."""
+        launches = self.launches(problem, config, target)
+        name = self.instance_name(problem, config)
+        by_name = {l.kernel: l for l in launches}
+        main = by_name.get(name) or by_name.get(f"{name}_stats") or launches[0]
+        return int(np.prod(main.grid))
 
     def workspace_bytes(self, problem: Any, config: Config) -> int:
         """Scratch memory the launches need (ptrs['ws']); none by default."""

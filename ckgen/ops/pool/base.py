@@ -2,6 +2,7 @@
 validation, launch geometry, naming, packing; and the backward ops' common part (`_PoolBwd`)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar, Mapping
 
@@ -10,8 +11,8 @@ import numpy as np
 from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import from_storage, to_storage
-from ..spec import OpSpec, full_shapes
-from .problem import PoolProblem, covering
+from ..spec import OpSpec, full_shapes, problem_of
+from .problem import PoolProblem, covering, covering_span
 
 _U32 = 2**32
 _I32 = 2**31
@@ -47,11 +48,11 @@ class _PoolOp(OpSpec):
         kw = dict(kw)
         if "kernel_size" in kw:
             kw["kernel"] = kw.pop("kernel_size")
-        if kw.get("stride") is None:
+        if kw.get("stride") is None and "kernel" in kw:
             kw["stride"] = kw["kernel"]
         if "divisor_override" in kw and kw["divisor_override"] is None:
             kw["divisor_override"] = 0
-        return self.problem_cls(**kw)
+        return problem_of(self.problem_cls, kw, self.name, {"kernel_size": "kernel"}, filled=("stride",))
 
     def problem_from_key(self, key: str) -> PoolProblem:
         return self.problem_cls.from_key(key)
@@ -113,13 +114,13 @@ class _PoolOp(OpSpec):
         if not (self.backward and self.pool == "max" and getattr(p, "indices", "") == "recompute"
                 and p.layout == "nchw" and config.as_dict().get("algo") == "gather" and self.aligned_gather(p, config)):
             return False
-        ob0 = _cover_span(self._cover(p, config, 1))[0]
+        ob0 = self._cover_extent(p, config, 1)[0]
         pre = p.padding[1] - ob0 * p.stride[1]  # the tile's first column in the footprint
         return pre >= 0 and pre + self.tile(config)[1] <= self._x_footprint_dims(p, config)[1]
 
     def cover_counts(self, p: PoolProblem, config: Config) -> tuple[int, int]:
         """(NA, NB): the outputs along H and W that cover an aligned gather tile (the template's)."""
-        return _cover_span(self._cover(p, config, 0))[1], _cover_span(self._cover(p, config, 1))[1]
+        return self._cover_extent(p, config, 0)[1], self._cover_extent(p, config, 1)[1]
 
     def _x_footprint_dims(self, p: PoolProblem, config: Config) -> tuple[int, int]:
         """(rows, columns) of x under the windows of an aligned gather tile's covering outputs
@@ -133,6 +134,13 @@ class _PoolOp(OpSpec):
         th, tw = self.tile(config)
         return self.backward and config.as_dict().get("algo") in ("gather", "smem") and \
             tw % p.stride[1] == 0 and th % p.stride[0] == 0
+
+    def _cover_extent(self, p: PoolProblem, config: Config, axis: int) -> tuple[int, int]:
+        """`_cover_span` of `_cover(p, config, axis)` without listing the covering outputs: per
+        tile position O(1) (`covering_span`), not O(kernel size) (a tall window made every
+        validate call walk it)."""
+        return _cover_extent(p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis],
+                             self.tile(config)[axis])
 
     def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
         """Aligned gather, per tile position t along `axis` (0: H, 1: W): the outputs whose
@@ -171,6 +179,9 @@ class _PoolOp(OpSpec):
         """Threads of the main kernel (each: a tile of positions x one vector of channels)."""
         planes, nrow, ncol, cvec = self._tiles(p, config)
         return planes * nrow * ncol * cvec
+
+    def main_blocks(self, p: Any, config: Config, target: Target) -> int:
+        return self._blocks(p, config)  # the main launch's grid is (_blocks, 1, 1)
 
     def _blocks(self, p: PoolProblem, config: Config) -> int:
         """Blocks of the main kernel: threads / block (block_rows = 1), or planes x block rows x
@@ -236,10 +247,17 @@ class _PoolOp(OpSpec):
         in_flight = fr if rows is None else min(fr, rows)
         return acc + in_flight * fc * max(1, config["vec_bytes"] // 4) + spare
 
-    def validate(self, p: PoolProblem, config: Config, target: Target) -> Support:
-        in_space = self.space.check(config)
-        if not in_space:
-            return in_space
+    def problem_class(self, p: PoolProblem) -> tuple:
+        """dtype, layout, the pooling parameters and options, and gcd(the vector axis' length, the
+        lcm of the space's vec_bytes): W in NCHW, C in NHWC, which decides whether a vector of any
+        width divides it (its elements divide its bytes)."""
+        along = p.W if p.layout == "nchw" else p.C
+        divisors = math.gcd(along, math.lcm(*self.space.params["vec_bytes"]))
+        return p.dtype, p.layout, p.pool_key(), p.extra_key(), divisors
+
+    def class_check(self, p: PoolProblem, config: Config, target: Target) -> Support:
+        """What the class alone rules out (`OpSpec.class_check`): vectors, warps, the unrolled
+        footprint, registers."""
         item = DTYPES[p.dtype]["itemsize"]
         vb, threads = config["vec_bytes"], config["threads"]
         if vb % item:
@@ -262,23 +280,36 @@ class _PoolOp(OpSpec):
                                   f"a whole number of {vec}-element vectors")
         if p.layout == "nhwc" and p.C % vec:
             return Support.no(f"vector of {vec} channels does not divide C={p.C}")
+        if (th > 1 or tw > 1) and self._footprint(p, config) > 256:
+            return Support.no(f"a {th}x{tw} tile reads {self._footprint(p, config)} window positions; "
+                              "over 256 the unrolled code grows too large")
+        regs = self._regs_needed(p, config)
+        if regs > _regs_per_thread(config):
+            return Support.no(f"about {regs} registers per thread exceed the budget of {_regs_per_thread(config)} "
+                              f"at {threads} threads x {config['min_blocks']} blocks/SM")
+        return Support.yes()
+
+    def validate(self, p: PoolProblem, config: Config, target: Target) -> Support:
+        in_space = self.space.check(config)
+        if not in_space:
+            return in_space
+        of_class = self.class_check(p, config, target)
+        if not of_class:
+            return of_class
+        return self.shape_check(p, config, target)
+
+    def shape_check(self, p: PoolProblem, config: Config, target: Target) -> Support:
+        """validate's checks of the problem's sizes (`OpSpec.shape_check`)."""
+        threads = config["threads"]
+        th, tw = self.tile(config)
         rows, cols = (p.H, p.W) if self.backward else (p.OH, p.OW)
         if tw > 1 and tw > cols:
             return Support.no(f"tw={tw} positions per thread exceed the width {cols}")
         if th > 1 and th > rows:
             return Support.no(f"th={th} positions per thread exceed the height {rows}")
-        if (th > 1 or tw > 1) and self._footprint(p, config) > 256:
-            return Support.no(f"a {th}x{tw} tile reads {self._footprint(p, config)} window positions; "
-                              "over 256 the unrolled code grows too large")
         reach = self._coord_reach(p, config)
         if reach > INT32_MAX:
             return Support.no(f"a {th}x{tw} tile's window coordinates reach {reach}, beyond 2^31-1 (int in the kernel)")
-        regs = self._regs_needed(p, config)
-        if regs > _regs_per_thread(config):
-            return Support.no(f"about {regs} registers per thread exceed the budget of {_regs_per_thread(config)} "
-                              f"at {threads} threads x {config['min_blocks']} blocks/SM")
-        if p.H * p.W >= _I32 or p.OH * p.OW >= _I32:
-            return Support.no("one (n, c) plane has 2^31 elements or more (indices are int32 in the kernel)")
         items = self._work_items(p, config)
         if items >= _U32:
             return Support.no(f"{items} threads exceed the 32-bit thread index; use a larger tile or vector")
@@ -438,6 +469,17 @@ class _PoolBwd(_PoolOp):
 
     def unpack_outputs(self, p: PoolProblem, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {"dx": self._logical(p, from_storage(raw["dx"], p.dtype), p.H, p.W)}
+
+
+@functools.lru_cache(maxsize=4096)
+def _cover_extent(k: int, s: int, pad: int, d: int, tile: int) -> tuple[int, int]:
+    """(first offset, count) of the outputs covering a tile of `tile` positions along an axis
+    (`_PoolOp._cover_extent`); a pure function of the window, remembered."""
+    spans = [sp for t in range(tile) if (sp := covering_span(k, s, pad, d, t)) is not None]
+    if not spans:
+        return 0, 1
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    return lo, hi - lo + 1
 
 
 def _cover_span(cover: list[list[int]]) -> tuple[int, int]:

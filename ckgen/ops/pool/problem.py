@@ -2,6 +2,8 @@
 and the random inputs the verifier draws."""
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +16,35 @@ from ..spec import Problem, check_choice, check_flag, check_int
 Pair = tuple[int, int]
 
 
+def _covering_taps(k: int, s: int, pad: int, d: int, t: int) -> tuple[int, int, int]:
+    """(i0, step, count): the taps i in [0, k) whose window position is input t, those with
+    (t + pad - i*d) % s == 0, are i0 + j*step for j < count. In closed form, not a loop over the
+    window (a legal kernel has up to 2^31 taps): with g = gcd(d, s), i*d = t + pad (mod s) has
+    solutions iff g divides t + pad, and they are i0 + j*(s/g), i0 = (t+pad)/g * (d/g)^-1 mod s/g."""
+    a, g = t + pad, math.gcd(d, s)
+    if a % g:
+        return 0, 1, 0
+    m = s // g
+    i0 = (a // g) * pow(d // g, -1, m) % m if m > 1 else 0
+    return i0, m, (0 if i0 >= k else (k - 1 - i0) // m + 1)
+
+
+def covering_span(k: int, s: int, pad: int, d: int, t: int) -> tuple[int, int] | None:
+    """(first, last) of `covering(k, s, pad, d, t)`, None if it is empty; O(1)."""
+    i0, m, n = _covering_taps(k, s, pad, d, t)
+    if not n:
+        return None
+    return (t + pad - (i0 + (n - 1) * m) * d) // s, (t + pad - i0 * d) // s
+
+
 def covering(k: int, s: int, pad: int, d: int, t: int) -> list[int]:
     """Along one axis, the outputs whose windows cover input position t (kernel k, stride s,
-    padding pad, dilation d), as (t + pad - i*d) // s, ascending; border clipping ignored."""
-    return sorted({(t + pad - i * d) // s for i in range(k) if (t + pad - i * d) % s == 0})
+    padding pad, dilation d), as (t + pad - i*d) // s, ascending; border clipping ignored.
+    Consecutive ones are d / gcd(d, s) apart (`_covering_taps`)."""
+    span = covering_span(k, s, pad, d, t)
+    if span is None:
+        return []
+    return list(range(span[0], span[1] + 1, d // math.gcd(d, s)))
 
 
 def _pair(v: Any, arg: str, *, allow_zero: bool = False) -> Pair:
@@ -116,22 +143,37 @@ class PoolProblem(Problem):
         if self.OH < 1 or self.OW < 1:
             raise ValueError(f"kernel_size: output size {self.OH}x{self.OW} is too small for input "
                              f"{self.H}x{self.W} (kernel {k}, stride {s}, padding {p}, dilation {d})")
+        # The kernels index an (n, c) plane, of x and of y, with 32-bit ints: no config can run a
+        # larger one, so it is an argument error here, not "no config of the tuning space".
+        big = "H" if self.H >= self.W else "W"
+        if self.H * self.W >= 2**31:
+            raise ValueError(f"{big}: an (n, c) plane of H x W = {self.H} x {self.W} = {self.H * self.W} elements "
+                             "is 2^31 or more; the kernels index a plane with 32-bit ints")
+        if self.OH * self.OW >= 2**31:
+            raise ValueError(f"{big}: the output plane of OH x OW = {self.OH} x {self.OW} = {self.OH * self.OW} "
+                             f"elements (input {self.H} x {self.W}, padding {p}) is 2^31 or more; the kernels "
+                             "index a plane with 32-bit ints")
         # One output along an axis: the stride there never moves a window, so it is set to the
         # effective kernel when smaller (the same output, values and indices; see
         # `canonical_stride`). A global pool written with stride 1 (`nn.AvgPool2d(7, stride=1)` on
         # 7x7) is then the stride-7 problem: its DB entry, and kernels without overlapping windows.
         object.__setattr__(self, "stride", canonical_stride(self.H, self.W, k, s, p, d, self.ceil_mode))
+        for derived in ("OH", "OW", "eff_kernel"):
+            self.__dict__.pop(derived, None)
 
     # ---- derived sizes ----
-    @property
+    # Remembered per problem (not fields: eq, hash and the key stay the fields'): validate and
+    # the cost model read them for every config of an unseen problem's pick. __post_init__
+    # forgets what it read before the stride took its canonical value.
+    @functools.cached_property
     def OH(self) -> int:
         return pool_output_size(self.H, self.kernel[0], self.stride[0], self.padding[0], self.dilation[0], self.ceil_mode)
 
-    @property
+    @functools.cached_property
     def OW(self) -> int:
         return pool_output_size(self.W, self.kernel[1], self.stride[1], self.padding[1], self.dilation[1], self.ceil_mode)
 
-    @property
+    @functools.cached_property
     def eff_kernel(self) -> Pair:
         return tuple((k - 1) * d + 1 for k, d in zip(self.kernel, self.dilation))  # type: ignore[return-value]
 
@@ -144,10 +186,12 @@ class PoolProblem(Problem):
     @property
     def windows_per_element(self) -> int:
         """The most windows one input element lies in (away from the borders): per axis, the
-        largest `covering` over one stride period."""
+        largest `covering` over one stride period, ceil(k / (s / gcd(d, s))): the taps covering
+        a position are every (s / gcd)-th from the first, and the first is tap 0 where
+        t + pad is a multiple of s (`_covering_taps`)."""
         n = 1
-        for k, s, pad, d in zip(self.kernel, self.stride, self.padding, self.dilation):
-            n *= max(len(covering(k, s, pad, d, t)) for t in range(s))
+        for k, s, d in zip(self.kernel, self.stride, self.dilation):
+            n *= -(-k // (s // math.gcd(d, s)))
         return n
 
     @property

@@ -1,0 +1,112 @@
+"""The cost model file's validation at load (ckgen/costmodel.py, `CostModel.from_doc`), CPU tier: a
+file the dispatcher cannot use safely is one ModelWarning and the nearest-tuned fallback, never
+an exception in an unseen problem's call nor a prediction that is not a finite time."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+import ckgen
+from ckgen import costmodel
+from ckgen import db as dbmod
+from ckgen import settings
+from ckgen.dispatch import Dispatcher
+from ckgen.instance import render_instance
+from ckgen.ops import get_op
+from ckgen.ops.spec import Target
+
+SM90 = Target.named("sm_90")
+GN = get_op("groupnorm_fwd")
+
+
+def _packaged() -> dict:
+    return json.loads(costmodel.packaged_model_path().read_text(encoding="utf-8"))
+
+
+def _set(path, value):
+    """An edit of a model document: the item at `path` (keys and indices) set to `value`."""
+    def edit(doc):
+        *head, last = path
+        for k in head:
+            doc = doc[k]
+        doc[last] = value
+    return edit
+
+
+BAD = {
+    "a list as a winner's knob value": _set(("winners", "groupnorm_fwd", 0, "threads"), [256]),
+    "a dict as a winner's knob value": _set(("winners", "groupnorm_fwd", 0, "items"), {"n": 2}),
+    "a list as a residual config's knob value": _set(("residuals", "groupnorm_fwd", "configs", 0, 0), [1]),
+    "a dict as a residual config's knob value": _set(("residuals", "groupnorm_fwd", "configs", 0, 1), {}),
+    "a winner that is not a mapping": _set(("winners", "groupnorm_fwd", 0), [["threads", 256]]),
+    "a negative host time": _set(("host", "call_us"), -4.0),
+    "a negative launch host time": _set(("host", "launch_us"), -1e-3),
+    "weights that predict infinite times": _set(("weights",), [1e300] * len(costmodel.TERM_NAMES)),
+    "an intercept that predicts infinite times": _set(("intercepts", "groupnorm_fwd"), 1e6),
+    "a residual that predicts infinite times": _set(("residuals", "groupnorm_fwd", "residual", 0), 1e6),
+    "a weight written as a string": _set(("weights", 0), "0.3"),
+    "a weight written as a bool": _set(("weights", 1), True),
+    "a huge knee": _set(("need_bytes",), 1e300),
+    "stats that are not a mapping": _set(("stats",), ["records", 3]),
+}
+
+
+def _entry(p, config):
+    src = render_instance(GN, p, config, SM90)
+    return dbmod.Entry(op=GN.name, vendor="cuda", arch="sm_90", device="test device", problem=p.key(),
+                       config=config.items, instance=src.name, source_sha256=src.sha256, time_us=10.0,
+                       gbps=1000.0, default_time_us=20.0, provenance={"date": "2026-01-01T00:00:00+00:00"})
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_a_bad_model_file_is_one_warning_and_the_nearest_tuned_fallback(tmp_path, monkeypatch, what):
+    doc = _packaged()
+    BAD[what](doc)
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    monkeypatch.setenv("CKGEN_MODEL", str(path))
+    near = GN.parse_problem(N=2, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw")
+    dbmod.save_entries(settings.user_db_path(), [_entry(near, GN.space.default)])
+    ckgen.reload_db()
+    d = Dispatcher()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a, _ = d.choose(GN, GN.parse_problem(N=4, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw"), SM90)
+        b, _ = d.choose(GN, GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw"), SM90)
+    assert a.source == b.source == "nearest" and a.config == b.config == GN.space.default
+    mine = [w for w in caught if issubclass(w.category, costmodel.ModelWarning)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert str(path) in str(mine[0].message)
+    with pytest.raises(costmodel.ModelError):  # rejected at load, not when first used
+        costmodel.CostModel.from_doc(doc)
+
+
+def test_the_packaged_model_is_inside_the_bounds():
+    """The bounds leave the fitted model far inside (so a refit does not trip over them)."""
+    doc = _packaged()
+    m = costmodel.CostModel.from_doc(doc)
+    assert max(abs(w) for w in [*m.weights, *m.intercepts.values()]) < costmodel.MAX_WEIGHT / 5
+    worst = max(abs(r) for v in doc["residuals"].values() for r in v["residual"])
+    assert worst < costmodel.MAX_RESIDUAL / 5
+    assert 0 < m.floor_next_us <= m.floor_us < costmodel.MAX_US / 100
+
+
+def test_a_prediction_that_is_not_finite_falls_back_with_one_warning(monkeypatch):
+    """A model whose predictions overflow for some problem (one built in code: a file's bounds keep
+    the packaged terms finite) is, for that problem, as a corrupt file: the dispatcher falls back
+    with one warning, and the tuner gets no seeds from it."""
+    good = costmodel.CostModel.from_doc(_packaged())
+    bad = costmodel.CostModel([1e3] * len(costmodel.TERM_NAMES), good.intercepts, good.floor_us, good.need_bytes,
+                              good.host, good.winners, good.stats, good.residuals, good.correction, good.floor_next_us)
+    monkeypatch.setattr(costmodel, "load", lambda: bad)
+    monkeypatch.setattr(costmodel, "_warned", set())
+    p = GN.parse_problem(N=3, C=96, H=40, W=24, G=24, dtype="fp32", layout="nhwc")
+    usable = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert costmodel.dispatch_pick(GN, p, SM90, [], usable) is None
+        assert costmodel.top_configs(GN, p, SM90, 3, usable) == []
+    mine = [w for w in caught if issubclass(w.category, costmodel.ModelWarning)]
+    assert len(mine) == 1 and "not finite" in str(mine[0].message)

@@ -140,9 +140,6 @@ class ReplayEvaluator:
         return out, failed
 
 
-_held_out: dict[tuple[str, str], Any] = {}
-
-
 def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
     """The shipped records (ckgen/data/records.jsonl.gz) without any of the sweep's problem: the
     shipped ones hold the sweep itself (and bench timings of its problem), so a model fit on them
@@ -155,13 +152,11 @@ def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
 
 def held_out_model(sweep: Sweep) -> Any:
     """The cost model a replay seeds from: fit (`costmodel.fit`, as the packaged one) on
-    `held_out_records(sweep)`: leave-one-out, never the packaged model. Cached per problem."""
+    `held_out_records(sweep)`: leave-one-out, never the packaged model. Fit once per problem
+    (`costmodel.packaged_fit_data()`, which leave-one-out shares) and shared: do not change it."""
     from . import costmodel
 
-    key = (sweep.op.name, sweep.problem.key())
-    if key not in _held_out:
-        _held_out[key] = costmodel.fit(held_out_records(sweep))
-    return _held_out[key]
+    return costmodel.packaged_fit_data().fit(exclude=(sweep.op.name, sweep.problem.key()))
 
 
 def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahead: int = AHEAD,

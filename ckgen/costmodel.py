@@ -1064,7 +1064,7 @@ class LooResult:
     near_only: float = math.nan  # the model's pick among the near tier alone (the rule before the wide tier)
 
 
-SWEEP_SOURCE = "bench/results/sweeps/"  # the `source` of the records from the repo's exhaustive sweeps
+from .records import SWEEP_SOURCE  # noqa: E402 - the `source` of the records from the repo's exhaustive sweeps
 
 
 def leave_one_out(records: "Sequence[dict[str, Any]] | FitData", min_recorded: int = 50,

@@ -1,4 +1,4 @@
-"""Tuning without a GPU: a recorded exhaustive sweep (bench/sweep.py output, bench/results/sweeps/)
+"""Tuning without a GPU: a recorded exhaustive sweep (bench/sweep.py output, tests/data/sweeps/)
 stands in for the device, so `tune.search` can be run and scored anywhere (tests, sampler
 comparisons: bench/replay_search.py).
 

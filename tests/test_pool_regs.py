@@ -20,7 +20,7 @@ from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 
 REPO = Path(__file__).resolve().parents[1]
-STUDY = REPO / "bench" / "results" / "logs" / "pool-spill-sm90-nvrtc.jsonl.gz"
+STUDY = Path(__file__).resolve().parent / "data" / "pool-spill-sm90-nvrtc.jsonl.gz"
 
 
 def _study() -> list[dict]:

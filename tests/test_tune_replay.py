@@ -38,7 +38,7 @@ import pytest
 
 from ckgen.replay import load_sweep, replay, sweep_paths, sweeps
 
-SWEEPS = Path(__file__).resolve().parents[1] / "bench" / "results" / "sweeps"
+SWEEPS = Path(__file__).resolve().parent / "data" / "sweeps"
 SEEDS = range(20)
 WITHIN = 1.03
 TARGET = {40: 0.90, 20: 0.70}

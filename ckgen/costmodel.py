@@ -759,6 +759,15 @@ class FitData:
             self._fits[key] = self._fit(ridge, exclude)
         return self._fits[key]
 
+    def fitted(self, ridge: float = RIDGE, exclude: tuple[str, str] | None = None) -> CostModel | None:
+        """The model `fit(ridge, exclude)` has made, or None (nothing is fit)."""
+        return self._fits.get((ridge, exclude))
+
+    def remember(self, model: CostModel, ridge: float = RIDGE, exclude: tuple[str, str] | None = None) -> None:
+        """Keep `model` as `fit(ridge, exclude)`'s answer: made from these records elsewhere (a
+        worker process of `replay.replay_sweeps`)."""
+        self._fits.setdefault((ridge, exclude), model)
+
     def _fit(self, ridge: float, exclude: tuple[str, str] | None) -> CostModel:
         if exclude is None:
             keep = list(range(len(self.rows)))
@@ -1031,8 +1040,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", type=Path, default=None, help=f"model file (default: {user_model_path()})")
     f.add_argument("--no-user", action="store_true", help="the shipped records only")
     args = ap.parse_args(argv)
-    recs = recmod.all_records(include_user=not args.no_user)
-    model = fit(recs)
+    # fit(recmod.all_records(...)), with the shipped records prepared as the process's other fits use them
+    user = [] if args.no_user else recmod.read_cached(recmod.user_records_path())
+    data = packaged_fit_data()
+    model = data.extended(user).fit() if user else data.fit()
     out = args.out or user_model_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dumps(model))

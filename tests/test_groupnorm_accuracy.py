@@ -4,7 +4,7 @@
    values, shifted by one sample of the group, one pixel row after another; then the block adds
    the per-channel sums; mean = shift + sum / count), against the float64 mean: at the limit the
    error stays well inside the mean's tolerance, far past it it does not (the H100 sweep of
-   1x256x256x256 bf16 NHWC failed verification exactly on the configs with 32,768 and 65,536
+   1x256x256x256 bf16 NHWC fails verification exactly on the configs with 32,768 and 65,536
    serial adds: tests/data/sweeps/sweep-groupnorm_fwd-nhwc-1x256x256x256-*.json).
 2. validate() rejects every config over the limit and only those (the sweep's failures among them)."""
 from __future__ import annotations

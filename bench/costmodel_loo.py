@@ -2,7 +2,7 @@
 
     python bench/costmodel_loo.py
 
-Each exhaustive sweep (bench/results/sweeps) is held out in turn; a model is fit on every other
+Each exhaustive sweep (tests/data/sweeps) is held out in turn; a model is fit on every other
 shipped record (ckgen/data/records.jsonl.gz) and picks among the held-out problem's candidates
 (ckgen.costmodel.candidates) that the sweep timed. Printed as the picked config's time / the
 sweep's best, for:

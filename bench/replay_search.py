@@ -2,7 +2,7 @@
 against the recorded times of every committed sweep (ckgen/replay.py), many seeds per cell, and
 the table tells how close the best config found comes to the exhaustive best.
 
-    python bench/replay_search.py [--sweeps bench/results/sweeps] [--samplers gp,tpe,random]
+    python bench/replay_search.py [--sweeps tests/data/sweeps] [--samplers gp,tpe,random]
         [--trials 20,40] [--ahead 1,4] [--seeds 20] [--jobs 16] [--out FILE.md]
 
 --jobs N replays N sweeps at a time, one process each (every cell of a sweep in its process, so
@@ -42,7 +42,7 @@ def _sweep_cells(path: str, cells: list[tuple[str, int, int]], seeds: int) -> di
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweeps", default=str(ROOT / "bench" / "results" / "sweeps"))
+    ap.add_argument("--sweeps", default=str(ROOT / "tests" / "data" / "sweeps"))
     ap.add_argument("--samplers", default="gp,tpe,random")
     ap.add_argument("--trials", default="20,40")
     ap.add_argument("--ahead", default="4")

@@ -4,7 +4,7 @@ result is the test data the tuner's search is replayed on (tests/test_tune_repla
 
     python bench/sweep.py --shape 8,320,64,64 --groups 32 --dtype bf16 --layout nhwc [--out DIR]
     python bench/sweep.py --op maxpool2d_fwd --key 'N=64,C=64,...,idx=0' [--limit 60] [--out DIR]
-    python bench/sweep.py --op groupnorm_bwd --key KEY --out bench/results/sweeps --chunk 256
+    python bench/sweep.py --op groupnorm_bwd --key KEY --out tests/data/sweeps --chunk 256
 
 With --out and no --limit/--config/--where, the sweep is resumable: the file is rewritten after
 every chunk of --chunk configs (compiled together, then measured), marked "complete": false

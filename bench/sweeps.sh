@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fresh exhaustive sweeps of today's spaces on one GPU (issue 17), written as test data into
-# bench/results/sweeps/: GroupNorm fwd and bwd in both layouts at 3 shapes (small, SD-size, large),
+# tests/data/sweeps/: GroupNorm fwd and bwd in both layouts at 3 shapes (small, SD-size, large),
 # max/avg pooling fwd/bwd in both layouts at one shape. Every sweep is resumable: it writes its
 # file after each chunk, so rerunning this script after an interruption (or a session limit)
 # measures only what is missing; a finished sweep is skipped in seconds.
@@ -15,7 +15,7 @@
 # deleted once the groupnorm_fwd ones here are complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=bench/results/sweeps
+OUT=tests/data/sweeps
 CHUNK=${CHUNK:-256}
 GN="G=32,dtype=bf16"
 POOL="k=3x3,s=2x2,p=1x1,d=1x1,ceil=0,dtype=bf16"

@@ -951,15 +951,28 @@ def _usable_records(records: Iterable[dict[str, Any]]) -> list[tuple[dict[str, A
 def best_configs(records: Iterable[dict[str, Any]], per_problem: int = WINNERS_PER_PROBLEM) -> dict[str, list[dict[str, Any]]]:
     """Per op, the best `per_problem` distinct configs of every recorded problem (fastest first,
     problems in order of first appearance)."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for (op, _, _), recs in recmod_by_problem(records):
+    return _merge_winners(_problem_winners(records, per_problem))
+
+
+def _problem_winners(records: Iterable[dict[str, Any]], per_problem: int = WINNERS_PER_PROBLEM,
+                     ) -> list[tuple[tuple[str, str], list[dict[str, Any]]]]:
+    """`best_configs` per problem: ((op, problem key), its best configs), problems in order of
+    first appearance (a problem timed on two archs appears once per arch)."""
+    out = []
+    for (op, _, key), recs in recmod_by_problem(records):
         times = timed_configs(recs)
-        if not times:
-            continue
+        if times:
+            out.append(((op, key), [c.as_dict() for c in sorted(times, key=lambda c: (times[c], c.key()))[:per_problem]]))
+    return out
+
+
+def _merge_winners(per_problem: Iterable[tuple[tuple[str, str], list[dict[str, Any]]]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (op, _), configs in per_problem:
         lst = out.setdefault(op, [])
-        for c in sorted(times, key=lambda c: (times[c], c.key()))[:per_problem]:
-            if c.as_dict() not in lst:
-                lst.append(c.as_dict())
+        for c in configs:
+            if c not in lst:
+                lst.append(c)
     return out
 
 
@@ -967,56 +980,149 @@ def fit(records: Iterable[dict[str, Any]], ridge: float = RIDGE) -> CostModel:
     """Fit the constants on records (see the module doc): for each (floor, knee) of a small grid,
     ridge-regress the weights on within-problem differences of log(time - launches x floor) -
     log(roofline), toward the priors; intercept per op; keep the grid point of least squared
-    log error. Then the residual table of the measured correction (`_residual_table`). Deterministic."""
-    records = list(records)
+    log error. Then the residual table of the measured correction (`_residual_table`). Deterministic.
+    (`FitData` prepares the records once for several fits.)"""
+    return FitData(records).fit(ridge)
+
+
+class FitData:
+    """Records prepared for `fit`: every usable record validated and its geometry worked out once
+    (most of a fit's CPU time). `fit(exclude=(op, problem key))` fits on every record but that
+    problem's, as `fit` does on those records (leave-one-out, the replays' held-out models), and
+    remembers the model: the models it returns are shared, do not change them. `extended` prepares
+    only the records it adds."""
+
+    def __init__(self, records: Iterable[dict[str, Any]]):
+        self.records = list(records)
+        self._set(*_prepare(self.records))
+
+    def extended(self, records: Iterable[dict[str, Any]]) -> "FitData":
+        """This data with `records` appended (only those are prepared)."""
+        more = list(records)
+        rows, geos = _prepare(more)
+        out = FitData.__new__(FitData)
+        out.records = self.records + more
+        out._set(self.rows + rows, self.geos + geos)
+        return out
+
+    def _set(self, rows: list, geos: list[Geometry]) -> None:
+        self.rows, self.geos = rows, geos
+        self.t_obs = np.array([float(r["time_us"]) for r, *_ in rows])
+        self.n_l = np.array([g.launches for g in geos], dtype=np.float64)
+        self.roof = np.array([g.log_roof for g in geos])
+        self.phi = np.array([g.phi for g in geos], dtype=np.float64).reshape(len(geos), len(TERM_NAMES))
+        self.log_inflight = np.array([g.log_inflight for g in geos])
+        self._winners: list[tuple[tuple[str, str], list[dict[str, Any]]]] | None = None
+        self._fits: dict[tuple[float, tuple[str, str] | None], CostModel] = {}
+
+    def fit(self, ridge: float = RIDGE, exclude: tuple[str, str] | None = None) -> CostModel:
+        """The model `fit` gives on these records without those of problem `exclude`
+        ((op, problem key), on every arch), remembered."""
+        key = (ridge, exclude)
+        if key not in self._fits:
+            self._fits[key] = self._fit(ridge, exclude)
+        return self._fits[key]
+
+    def fitted(self, ridge: float = RIDGE, exclude: tuple[str, str] | None = None) -> CostModel | None:
+        """The model `fit(ridge, exclude)` has made, or None (nothing is fit)."""
+        return self._fits.get((ridge, exclude))
+
+    def remember(self, model: CostModel, ridge: float = RIDGE, exclude: tuple[str, str] | None = None) -> None:
+        """Keep `model` as `fit(ridge, exclude)`'s answer: made from these records elsewhere (a
+        worker process of `replay.replay_sweeps`)."""
+        self._fits.setdefault((ridge, exclude), model)
+
+    def _fit(self, ridge: float, exclude: tuple[str, str] | None) -> CostModel:
+        if exclude is None:
+            keep = list(range(len(self.rows)))
+        else:
+            keep = [i for i, (r, *_) in enumerate(self.rows) if (r["op"], r["problem"]) != exclude]
+        if not keep:
+            raise ModelError("no usable record to fit on")
+        rows = [self.rows[i] for i in keep]
+        geos = [self.geos[i] for i in keep]
+        idx = np.array(keep, dtype=np.intp)
+        t_obs, n_l, roof = self.t_obs[idx], self.n_l[idx], self.roof[idx]
+        phi_base, log_inflight = self.phi[idx], self.log_inflight[idx]
+        ops = [op.name for _, op, *_ in rows]
+        group_of: dict[tuple[str, str, str], int] = {}
+        gid = np.array([group_of.setdefault((r["op"], r["arch"], r["problem"]), len(group_of)) for r, *_ in rows])
+        counts = np.bincount(gid)
+        wrow = 1.0 / np.sqrt(counts[gid])  # each problem weighs sqrt(its records): sweeps do not drown the rest
+        # and each op weighs the same in all: GroupNorm forward holds most records (its broad grid and
+        # sweeps); unbalanced, it set the shared weights for every op, and the held-out pooling
+        # picks got up to 2x worse (bench/results/heldout/runs/README.md)
+        names, op_idx = np.unique(np.array(ops), return_inverse=True)
+        op_sum = np.bincount(op_idx, weights=wrow)
+        wrow = wrow * (len(wrow) / (len(op_sum) * op_sum[op_idx]))
+        multi = counts[gid] > 1
+        W = wrow * multi
+        # per op (sorted names): its rows, their weights and the weights' sum, the same at every grid point
+        per_op = []
+        for i, name in enumerate(names):
+            m = np.flatnonzero(op_idx == i)
+            per_op.append((str(name), m, wrow[m], np.sum(wrow[m])))
+        log_t = np.log(t_obs)
+        wsum = np.sum(wrow)
+        # every term but "par" (column 0, which moves with the knee) is demeaned and weighted once
+        pc = _demean_cols(phi_base, gid)
+        pcw = pc * W[:, None]
+        devices = sorted({r["device"] for r, *_ in rows})
+        best: tuple[float, CostModel] | None = None
+        if self._winners is None:
+            self._winners = _problem_winners(self.records)
+        # the same for every grid point: once, not per improvement
+        winners = _merge_winners(w for w in self._winners if w[0] != exclude)
+        for floor, frac in ((f, x) for f in FLOOR_GRID for x in FLOOR_NEXT_GRID):
+            fl = launch_floor(n_l, floor, frac * floor)
+            z = np.log(np.maximum(t_obs - fl, 0.25 * t_obs)) - roof
+            zc = _demean(z, gid)
+            for need in NEED_GRID:
+                phi = phi_base.copy()
+                phi[:, 0] = np.maximum(0.0, math.log(need) - log_inflight)
+                pc[:, 0] = _demean(phi[:, 0], gid)
+                pcw[:, 0] = pc[:, 0] * W
+                A = pc.T @ pcw + ridge * np.eye(len(TERM_NAMES))
+                w = np.linalg.solve(A, pc.T @ (zc * W) + ridge * PRIOR)
+                resid = z - phi @ w
+                inter = {name: float(np.sum(resid[m] * wm) / wm_sum) for name, m, wm, wm_sum in per_op}
+                b = np.array([inter[str(n)] for n in names])[op_idx]
+                pred = np.log(fl + np.exp(roof + b + phi @ w))
+                loss = float(np.sum(wrow * (log_t - pred) ** 2) / wsum)
+                if best is None or loss < best[0] - 1e-12:
+                    stats = {"records": len(rows), "problems": len(group_of), "ridge": ridge,
+                             "rms_log_error": round(math.sqrt(loss), 4), "devices": devices}
+                    best = (loss, CostModel(w, inter, floor, need, HOST, winners, stats,
+                                            floor_next_us=frac * floor))
+        assert best is not None
+        model = best[1]
+        phi = phi_base.copy()
+        phi[:, 0] = np.maximum(0.0, math.log(model.need_bytes) - log_inflight)
+        model.residuals = _residual_table(model, rows, phi, n_l, roof, t_obs)
+        return model
+
+
+_packaged_data: list[tuple[list[dict[str, Any]], FitData]] = []
+_data_lock = threading.Lock()
+
+
+def packaged_fit_data() -> FitData:
+    """`FitData` of the shipped records (ckgen/data/records.jsonl.gz, `records.read_cached`),
+    prepared once per version of the file: the held-out fits of the replays and of leave-one-out
+    are made once and shared (the models are shared too: do not change them)."""
+    from . import records as recmod
+
+    recs = recmod.read_cached(recmod.packaged_records_path())
+    with _data_lock:
+        if not _packaged_data or _packaged_data[0][0] is not recs:
+            _packaged_data[:] = [(recs, FitData(recs))]
+        return _packaged_data[0][1]
+
+
+def _prepare(records: list[dict[str, Any]]) -> tuple[list, list[Geometry]]:
     rows = _usable_records(records)
-    if not rows:
-        raise ModelError("no usable record to fit on")
     geos = [geometry(op, p, c, t, narrow_rows=str(r.get("date", "")) >= NARROW_ROWS_SINCE) for r, op, p, t, c in rows]
-    t_obs = np.array([float(r["time_us"]) for r, *_ in rows])
-    n_l = np.array([g.launches for g in geos], dtype=np.float64)
-    roof = np.array([g.log_roof for g in geos])
-    ops = [op.name for _, op, *_ in rows]
-    group_of: dict[tuple[str, str, str], int] = {}
-    gid = np.array([group_of.setdefault((r["op"], r["arch"], r["problem"]), len(group_of)) for r, *_ in rows])
-    counts = np.bincount(gid)
-    wrow = 1.0 / np.sqrt(counts[gid])  # each problem weighs sqrt(its records): sweeps do not drown the rest
-    # and each op weighs the same in all: GroupNorm forward holds most records (its broad grid and
-    # sweeps); unbalanced, it set the shared weights for every op, and the held-out pooling
-    # picks got up to 2x worse (bench/results/heldout/runs/README.md)
-    op_idx = np.unique(np.array([op.name for _, op, *_ in rows]), return_inverse=True)[1]
-    op_sum = np.bincount(op_idx, weights=wrow)
-    wrow = wrow * (len(wrow) / (len(op_sum) * op_sum[op_idx]))
-    multi = counts[gid] > 1
-    best: tuple[float, CostModel] | None = None
-    winners = best_configs(records)  # the same for every grid point: once, not per improvement
-    for floor, frac in ((f, x) for f in FLOOR_GRID for x in FLOOR_NEXT_GRID):
-        fl = launch_floor(n_l, floor, frac * floor)
-        z = np.log(np.maximum(t_obs - fl, 0.25 * t_obs)) - roof
-        for need in NEED_GRID:
-            phi = _phi_matrix(geos, need)
-            zc, pc = _demean(z, gid), _demean_cols(phi, gid)
-            W = wrow * multi
-            A = pc.T @ (pc * W[:, None]) + ridge * np.eye(len(TERM_NAMES))
-            w = np.linalg.solve(A, pc.T @ (zc * W) + ridge * PRIOR)
-            resid = z - phi @ w
-            inter = {}
-            for name in sorted(set(ops)):
-                m = np.array([o == name for o in ops])
-                inter[name] = float(np.sum(resid[m] * wrow[m]) / np.sum(wrow[m]))
-            b = np.array([inter[o] for o in ops])
-            pred = np.log(fl + np.exp(roof + b + phi @ w))
-            loss = float(np.sum(wrow * (np.log(t_obs) - pred) ** 2) / np.sum(wrow))
-            if best is None or loss < best[0] - 1e-12:
-                stats = {"records": len(rows), "problems": len(group_of), "ridge": ridge,
-                         "rms_log_error": round(math.sqrt(loss), 4),
-                         "devices": sorted({r["device"] for r, *_ in rows})}
-                best = (loss, CostModel(w, inter, floor, need, HOST, winners, stats,
-                                        floor_next_us=frac * floor))
-    assert best is not None
-    model = best[1]
-    model.residuals = _residual_table(model, rows, geos, t_obs)
-    return model
+    return rows, geos
 
 
 def _residuals_ok(v: Any) -> bool:
@@ -1082,15 +1188,16 @@ def _finite_numbers(xs: list, bound: float = math.inf) -> bool:
     return a is not None and bool(np.isfinite(a).all()) and (not xs or float(np.abs(a).max()) <= bound)
 
 
-def _residual_table(model: CostModel, rows, geos: Sequence[Geometry], t_obs: np.ndarray) -> dict[str, dict[str, Any]]:
+def _residual_table(model: CostModel, rows, phi: np.ndarray, n_l: np.ndarray, roof: np.ndarray,
+                    t_obs: np.ndarray) -> dict[str, dict[str, Any]]:
     """Per op, how far off the model is for each recorded (problem, config): log(time) -
-    log(predicted GPU time), demeaned within each problem (the fastest time of a config)."""
-    phi = _phi_matrix(geos, model.need_bytes)
+    log(predicted GPU time), demeaned within each problem (the fastest time of a config). `phi`,
+    `n_l` (launches) and `roof` (log roofline) are the rows' terms at the model's knee."""
+    b = np.array([model.intercepts[op.name] for _, op, *_ in rows])
+    pred = model.launch_us(n_l) + np.exp(roof + b + phi @ model.weights)
+    resids = (np.log(t_obs) - np.log(pred)).tolist()
     by: dict[tuple[str, str, str], dict[Config, float]] = {}
-    for i, (r, op, p, t, c) in enumerate(rows):
-        pred = model.launch_us(geos[i].launches) + math.exp(
-            geos[i].log_roof + model.intercepts[op.name] + float(phi[i] @ model.weights))
-        res = math.log(float(t_obs[i])) - math.log(pred)
+    for (r, op, p, t, c), res in zip(rows, resids):
         g = by.setdefault((op.name, r["arch"], r["problem"]), {})
         if c not in g or res < g[c]:
             g[c] = res
@@ -1235,8 +1342,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--out", type=Path, default=None, help=f"model file (default: {user_model_path()})")
     f.add_argument("--no-user", action="store_true", help="the shipped records only")
     args = ap.parse_args(argv)
-    recs = recmod.all_records(include_user=not args.no_user)
-    model = fit(recs)
+    # fit(recmod.all_records(...)), with the shipped records prepared as the process's other fits use them
+    user = [] if args.no_user else recmod.read_cached(recmod.user_records_path())
+    data = packaged_fit_data()
+    model = data.extended(user).fit() if user else data.fit()
     out = args.out or user_model_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(dumps(model))
@@ -1268,10 +1377,10 @@ class LooResult:
     near_only: float = math.nan  # the model's pick among the near tier alone (the rule before the wide tier)
 
 
-SWEEP_SOURCE = "bench/results/sweeps/"  # the `source` of the records from the repo's exhaustive sweeps
+from .records import SWEEP_SOURCE  # noqa: E402 - the `source` of the records from the repo's exhaustive sweeps
 
 
-def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
+def leave_one_out(records: "Sequence[dict[str, Any]] | FitData", min_recorded: int = 50,
                   fitter: Callable[[list[dict[str, Any]]], "CostModel"] | None = None,
                   as_dispatched: bool = False, source: str | None = SWEEP_SOURCE) -> list[LooResult]:
     """For every problem with at least `min_recorded` timed configs (2: every recorded problem
@@ -1284,8 +1393,14 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
     `as_dispatched`: the candidates are those the dispatcher would rank (`candidate_tiers` with
     every valid config usable) that the records time, each tier kept; else (and when none of
     those is timed) the search for candidates counts only timed configs as usable, so its near
-    tier reaches further. The pick is `select`'s (the two tiers), `near_only` the near tier's."""
-    fitter = fitter or fit
+    tier reaches further. The pick is `select`'s (the two tiers), `near_only` the near tier's.
+
+    `records` may be a `FitData`: its records, prepared once for every held-out fit (without a
+    `fitter`), and the fits stay with it (`packaged_fit_data()`: shared with the replays)."""
+    data = records if isinstance(records, FitData) else None
+    records = data.records if data is not None else records
+    if fitter is None:
+        data = data if data is not None else FitData(records)
     out = []
     for (op_name, arch, key), recs in recmod_by_problem(records):
         timed = timed_configs(recs)
@@ -1296,7 +1411,7 @@ def leave_one_out(records: Sequence[dict[str, Any]], min_recorded: int = 50,
         op, target = get_op(op_name), Target.named(arch)
         p = op.problem_from_key(key)
         rest = [r for r in records if (r["op"], r["problem"]) != (op_name, key)]
-        model = fitter(rest)
+        model = fitter(rest) if fitter is not None else data.fit(exclude=(op_name, key))
         best = min(timed.values())
         usable = lambda c: c in timed and bool(op.validate(p, c, target))  # noqa: E731
         cands: list[Config] = []

@@ -248,18 +248,35 @@ _HIPRES = re.compile(r"Function Name: (\S+).*?SGPRs: (\d+).*?VGPRs: (\d+).*?Scra
                      r".*?LDS Size \[bytes/block\]: (\d+)", re.S)
 
 
-def _build_hip(inst: Instance) -> Built:
+def _hip_command(arch: str, tc: tuple[str, Path, Path]) -> list[str]:
+    """clang's device-only HIP compile for `arch`, without its input and output."""
+    clang, root, bitcode = tc
+    return [clang, "-x", "hip", "-std=c++17", "-O3", "--cuda-device-only", "--no-gpu-bundle-output",
+            f"--offload-arch={arch}", f"--rocm-path={root}", f"--rocm-device-lib-path={bitcode}",
+            "-isystem", str(root / "include")]
+
+
+def _hip_pch(arch: str, tc: tuple[str, Path, Path], folder: Path) -> Path | None:
+    """hip_runtime.h precompiled for `arch` with `_hip_command`'s flags, or None if clang cannot.
+    Parsing that header is most of a kernel's compile (about 0.7 of 1.1 s of CPU); every source
+    includes it first (the prelude), so with the header precompiled once per arch a build
+    compiles each source about 3x faster to the same code (only the __hip_cuid symbol differs)."""
+    src, pch = folder / f"hip-{arch}.hip", folder / f"hip-{arch}.pch"
+    src.write_text("#include <hip/hip_runtime.h>\n")
+    cmd = [*_hip_command(arch, tc), "-emit-llvm", "-c", "-Xclang", "-emit-pch", str(src), "-o", str(pch)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return pch if r.returncode == 0 and pch.is_file() else None
+
+
+def _build_hip(inst: Instance, pch: Path | None = None) -> Built:
     tc = hip_toolchain()
     if tc is None:
         return Built(inst, False, f"no HIP toolchain ({hip_toolchain_missing()}): {HIP_TOOLCHAIN_HINT}", {})
-    clang, root, bitcode = tc
     with tempfile.TemporaryDirectory() as d:
         src, obj = Path(d) / inst.file, Path(d) / "kernel.co"
         src.write_text(inst.source.code)
-        cmd = [clang, "-x", "hip", "-std=c++17", "-O3", "--cuda-device-only", "--no-gpu-bundle-output",
-               f"--offload-arch={inst.target.arch}", f"--rocm-path={root}", f"--rocm-device-lib-path={bitcode}",
-               "-isystem", str(root / "include"), "-Rpass-analysis=kernel-resource-usage", "-c", str(src),
-               "-o", str(obj)]
+        cmd = [*_hip_command(inst.target.arch, tc), *(["-include-pch", str(pch)] if pch else []),
+               "-Rpass-analysis=kernel-resource-usage", "-c", str(src), "-o", str(obj)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode or not obj.is_file():
             return Built(inst, False, r.stderr.strip()[-2000:], {})
@@ -268,11 +285,17 @@ def _build_hip(inst: Instance) -> Built:
     return Built(inst, True, "", report)
 
 
-def build(instances: list[Instance], jobs: int | None = None) -> list[Built]:
-    """Compile every instance for its target (threads: NVRTC and clang run outside the GIL)."""
+def build(instances: list[Instance], jobs: int | None = None, hip_pch: bool = True) -> list[Built]:
+    """Compile every instance for its target (threads: NVRTC and clang run outside the GIL).
+    HIP sources compile against hip_runtime.h precompiled once per arch (`_hip_pch`; `hip_pch`
+    False, or a clang that cannot: each parses it)."""
     jobs = jobs or max(1, (os.cpu_count() or 2))
-    with cf.ThreadPoolExecutor(jobs) as ex:
-        return list(ex.map(lambda i: _build_hip(i) if i.target.vendor == "hip" else _build_cuda(i), instances))
+    archs = sorted({i.target.arch for i in instances if i.target.vendor == "hip"})
+    tc = hip_toolchain() if archs and hip_pch else None
+    with tempfile.TemporaryDirectory() as d, cf.ThreadPoolExecutor(jobs) as ex:
+        pchs = dict(zip(archs, ex.map(lambda a: _hip_pch(a, tc, Path(d)), archs))) if tc is not None else {}
+        return list(ex.map(lambda i: _build_hip(i, pchs.get(i.target.arch)) if i.target.vendor == "hip"
+                           else _build_cuda(i), instances))
 
 
 _SPILLS: dict[str, int | None] = {}

@@ -13,7 +13,7 @@ A record is one JSON object per line (JSON Lines):
 `ckgen tune` appends a record per measured trial and per final-round re-timing to the records
 file beside the user DB (`user_records_path`), under a file lock, so concurrent tuners lose no
 line. The package ships `ckgen/data/records.jsonl.gz`, built by `tools/build_records.py` from
-what the repo holds: the exhaustive sweeps (bench/results/sweeps), every trial of the DB tuning
+what the repo holds: the exhaustive sweeps (tests/data/sweeps), every trial of the DB tuning
 runs (bench/results/tuning), the shipped DB's winners and default timings, and the suite
 benchmarks (bench/results/*.json), never the held-out problems (bench/heldout.yaml).
 
@@ -38,6 +38,10 @@ from .ops import get_op
 from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
 
 PHASES = ("trial", "final", "sweep", "winner", "default", "bench")
+# The `source` label of a record from one of the repo's exhaustive sweeps (the files of
+# tests/data/sweeps/): a fixed label, not the files' path (another label changes every sweep
+# record of the shipped ckgen/data/records.jsonl.gz)
+SWEEP_SOURCE = "bench/results/sweeps/"
 LOCK_TIMEOUT_S = 60.0
 
 
@@ -229,9 +233,9 @@ def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
     repo = Path(repo)
     heldout = _heldout_keys(repo)
     out: list[dict[str, Any]] = []
-    for path in sweep_paths(repo / "bench" / "results" / "sweeps"):
+    for path in sweep_paths(repo / "tests" / "data" / "sweeps"):
         sw = load_sweep(path)
-        src = f"bench/results/sweeps/{path.name}"
+        src = f"{SWEEP_SOURCE}{path.name}"
         for cfg, t in sw.times.items():
             out.append(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=True, time_us=t,
                                    phase="sweep", source=src, date="2025-01-01T00:00:00+00:00"))

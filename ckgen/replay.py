@@ -1,4 +1,4 @@
-"""Tuning without a GPU: a recorded exhaustive sweep (bench/sweep.py output, bench/results/sweeps/)
+"""Tuning without a GPU: a recorded exhaustive sweep (bench/sweep.py output, tests/data/sweeps/)
 stands in for the device, so `tune.search` can be run and scored anywhere (tests, sampler
 comparisons: bench/replay_search.py).
 
@@ -13,7 +13,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .bench import Timing
 from .ops import get_op
@@ -38,6 +38,9 @@ class Sweep:
     unrecorded: int = 0  # valid configs of today's space the sweep does not hold
     num_sms: int = 132
     complete: bool = True  # False: still being measured (its best is not the exhaustive best)
+    # What every replay of this sweep asks again, answered once (`replay`): the op and the model
+    # (`_Remembered`), the seeds per trial count; "held_out": its held-out model, if given
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def best(self) -> float:
@@ -140,9 +143,6 @@ class ReplayEvaluator:
         return out, failed
 
 
-_held_out: dict[tuple[str, str], Any] = {}
-
-
 def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
     """The shipped records (ckgen/data/records.jsonl.gz) without any of the sweep's problem: the
     shipped ones hold the sweep itself (and bench timings of its problem), so a model fit on them
@@ -155,30 +155,115 @@ def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
 
 def held_out_model(sweep: Sweep) -> Any:
     """The cost model a replay seeds from: fit (`costmodel.fit`, as the packaged one) on
-    `held_out_records(sweep)`: leave-one-out, never the packaged model. Cached per problem."""
+    `held_out_records(sweep)`: leave-one-out, never the packaged model. Fit once per problem
+    (`costmodel.packaged_fit_data()`, which leave-one-out shares) and shared: do not change it."""
     from . import costmodel
 
-    key = (sweep.op.name, sweep.problem.key())
-    if key not in _held_out:
-        _held_out[key] = costmodel.fit(held_out_records(sweep))
-    return _held_out[key]
+    return costmodel.packaged_fit_data().fit(exclude=(sweep.op.name, sweep.problem.key()))
+
+
+class _Remembered:
+    """An op or a cost model for the replays of one sweep: the answers that depend on the problem
+    and the config alone (the op's validate, launches and seed configs; the model's predictions)
+    are remembered, since every seed's search asks the same questions again; every other
+    attribute is the wrapped object's. Pure functions of their arguments, so a replay's result
+    is the same with them (`replay(remember=False)`)."""
+
+    REMEMBERED = ("validate", "launches", "seed_configs", "predict_many")
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+        self._answers: dict[Any, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in self.REMEMBERED:
+            return attr
+
+        def remembered(*args: Any, **kwargs: Any) -> Any:
+            key = (name, *(tuple(a) if isinstance(a, list) else a for a in args), *sorted(kwargs.items()))
+            if key not in self._answers:
+                self._answers[key] = attr(*args, **kwargs)
+            return self._answers[key]
+
+        return remembered
 
 
 def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahead: int = AHEAD,
-           storage: Any = None, model: bool = True) -> tuple[float, ReplayEvaluator]:
+           storage: Any = None, model: bool = True, remember: bool = True) -> tuple[float, ReplayEvaluator]:
     """One search on the recorded times, seeded as `ckgen tune` seeds it (`tune.model_picks`: the
     cost model's picks and the nearest recorded problems' winners) but from `held_out_model(sweep)`
     and `held_out_records(sweep)` (`model=False`: no such seeds, and no prior mean): (best found /
-    recorded best, the evaluator)."""
+    recorded best, the evaluator). `remember`: the op's and the model's answers and the seeds of a
+    trial count are kept in `sweep.memo` for the sweep's next replays (`_Remembered`)."""
     ev = ReplayEvaluator(sweep.times.get)
-    ok = lambda c: sweep.covers(c) and bool(sweep.op.validate(sweep.problem, c, sweep.target))  # noqa: E731
-    picks = model_picks(sweep.op, sweep.problem, sweep.target, trials, ok, held_out_model(sweep),
-                        records=held_out_records(sweep)) if model else ()
-    search(sweep.op, sweep.problem, sweep.target, sweep.num_sms, ev, trials=trials, timeout=None, storage=storage,
-           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model_seeds=picks,
-           model=held_out_model(sweep) if model else None)
+    memo = sweep.memo if remember else {}
+    op = memo.setdefault("op", _Remembered(sweep.op)) if remember else sweep.op
+    cost = None
+    if model:
+        if remember:
+            cost = memo.get("model")
+            if cost is None:
+                cost = memo["model"] = _Remembered(memo.get("held_out") or held_out_model(sweep))
+        else:
+            cost = memo.get("held_out") or held_out_model(sweep)
+    picks: tuple[Config, ...] = ()
+    if model:
+        key = ("picks", trials)
+        if key not in memo:
+            ok = lambda c: sweep.covers(c) and bool(op.validate(sweep.problem, c, sweep.target))  # noqa: E731
+            memo[key] = model_picks(op, sweep.problem, sweep.target, trials, ok, cost, records=held_out_records(sweep))
+        picks = memo[key]
+    search(op, sweep.problem, sweep.target, sweep.num_sms, ev, trials=trials, timeout=None, storage=storage,
+           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model_seeds=picks, model=cost)
     found = min((m.timing.median_us for m in ev.measured.values()), default=math.inf)
     return found / sweep.best, ev
+
+
+def _replay_sweep(path: str, trials: tuple[int, ...], seeds: tuple[int, ...], model: Any) -> tuple[dict, Any]:
+    """Every (trials, seed) replay of the sweep at `path`, in a worker process (`replay_sweeps`),
+    with `model` as its held-out model (None: fit here); the ratios and that model."""
+    from . import costmodel
+
+    sw = load_sweep(path)
+    sw.memo["held_out"] = model if model is not None else held_out_model(sw)
+    ratios = {t: [replay(sw, t, seed)[0] for seed in seeds] for t in trials}
+    return ratios, sw.memo["held_out"]
+
+
+def replay_sweeps(sws: list[Sweep], trials: Sequence[int], seeds: Sequence[int], jobs: int = 1,
+                  ) -> dict[tuple[str, int], list[float]]:
+    """{(sweep name, trials): [best found / best of each seed's replay]} over every sweep, trial
+    count and seed; `jobs` > 1: that many worker processes, a sweep each at a time (its replays
+    share what they remember). A held-out model this process has is handed to the worker, and
+    one fit there is kept here (`costmodel.packaged_fit_data()`), so leave-one-out and the
+    replays fit each problem once in all. The same ratios as one process."""
+    from . import costmodel
+
+    trials, seeds = tuple(trials), tuple(seeds)
+    out: dict[tuple[str, int], list[float]] = {}
+    if jobs <= 1 or len(sws) <= 1:
+        for sw in sws:
+            for t in trials:
+                out[(sw.name, t)] = [replay(sw, t, seed)[0] for seed in seeds]
+        return out
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    data = costmodel.packaged_fit_data()
+    keys = [(sw.op.name, sw.problem.key()) for sw in sws]
+    known = [sw.memo.get("held_out") or data.fitted(exclude=k) for sw, k in zip(sws, keys)]
+    # spawn: a fresh interpreter per worker (forking a process that holds threads, torch's or
+    # BLAS's, can deadlock); the biggest sweeps first, so the last ones to finish are short
+    order = sorted(range(len(sws)), key=lambda i: -len(sws[i].times))
+    with cf.ProcessPoolExecutor(min(jobs, len(sws)), mp_context=mp.get_context("spawn")) as pool:
+        futures = {i: pool.submit(_replay_sweep, str(sws[i].path), trials, seeds, known[i]) for i in order}
+        for i, sw in enumerate(sws):
+            ratios, model = futures[i].result()
+            data.remember(model, exclude=keys[i])
+            for t in trials:
+                out[(sw.name, t)] = ratios[t]
+    return out
 
 
 def sweeps(folder: Path | str) -> list[Sweep]:

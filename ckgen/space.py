@@ -1,6 +1,7 @@
 """Tuning spaces: read tuning_spaces/<op>.yaml (ckgen.resources finds the folder), enumerate, sample, check constraints."""
 from __future__ import annotations
 
+import ast
 import itertools
 import numbers
 from dataclasses import dataclass, field
@@ -25,14 +26,57 @@ def _same_kind(value: Any, allowed: Any) -> bool:
     return type(value) is type(allowed)
 
 
+# The constraint code is compiled with no builtins: an expression sees the knobs and nothing else.
+_NO_BUILTINS = {"__builtins__": {}}
+# Python nests at most 20 blocks in one function; the generated enumeration nests one loop per
+# knob, so past this many knobs the leading ones share one loop over their product.
+_MAX_LOOPS = 16
+
+
+def _parse_expr(expr: str) -> ast.Expression:
+    try:
+        return ast.parse(expr, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"constraint {expr!r}: not a Python expression ({e.msg})") from None
+
+
+def _rename(tree: ast.Expression, names: dict[str, str]) -> ast.expr:
+    """The expression with every knob name replaced by its argument name in generated code."""
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            return ast.copy_location(ast.Name(names[node.id], node.ctx), node)
+
+    return Rename().visit(ast.parse(ast.unparse(tree), mode="eval")).body
+
+
+def _function(src: str, name: str) -> Callable[..., Any]:
+    scope: dict[str, Any] = {}
+    exec(compile(src, f"<ckgen.space {name}>", "exec"), dict(_NO_BUILTINS), scope)  # noqa: S102
+    return scope[name]
+
+
 @dataclass(frozen=True)
 class Constraint:
+    """A rule of a tuning space: `expr`, a Python expression over knob names, must hold."""
+
     expr: str
     reason: str
+    # The knob names `expr` reads (in order of first use) and `expr` compiled once into a
+    # function of them: checking a config evaluates no string.
+    names: tuple[str, ...] = field(init=False, compare=False, repr=False)
+    _fn: Callable[..., Any] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        tree = _parse_expr(self.expr)
+        names = tuple(dict.fromkeys(n.id for n in ast.walk(tree) if isinstance(n, ast.Name)))
+        args = {n: f"_k{i}" for i, n in enumerate(names)}
+        body = ast.unparse(_rename(tree, args))
+        fn = _function(f"def _check({', '.join(args.values())}):\n    return True if ({body}) else False\n", "_check")
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "_fn", fn)
 
     def check(self, values: dict[str, Any]) -> bool:
-        # Expressions come from our own YAML; no builtins are reachable from them.
-        return bool(eval(self.expr, {"__builtins__": {}}, dict(values)))  # noqa: S307
+        return self._fn(*[values[n] for n in self.names])
 
 
 @dataclass(frozen=True)
@@ -47,6 +91,9 @@ class Space:
     grids: dict[str, Any] = field(default_factory=dict, compare=False)
     # Memo of check() results and the enumeration (a space is immutable once built).
     _memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._memo["compiled"] = _CompiledSpace(self.params, self.constraints, self.op)
 
     @property
     def params(self) -> dict[str, tuple[Any, ...]]:
@@ -68,20 +115,20 @@ class Space:
         extra = sorted(set(values) - set(params))
         if missing or extra:
             return Support.no(f"config keys differ from the space: missing {missing}, unknown {extra}")
+        compiled: _CompiledSpace = self._memo["compiled"]
         for name, value in values.items():
+            if (type(value), value) in compiled.exact[name]:
+                continue  # the common case: a value of the space itself
             if not any(_same_kind(value, v) and value == v for v in params[name]):
                 return Support.no(f"{name}={value!r} ({type(value).__name__}) is not one of {list(params[name])}")
-        for c in self.constraints:
-            if not c.check(values):
-                return Support.no(c.reason)
-        return Support.yes()
+        failed = compiled.first_failing(*[values[n] for n in compiled.names])
+        return Support.yes() if failed < 0 else Support.no(self.constraints[failed].reason)
 
     def enumerate(self) -> tuple[Config, ...]:
-        """Every valid point, in declaration order."""
+        """Every valid point, in declaration order (the order of `itertools.product` over the
+        knobs as declared, filtered by the constraints)."""
         if "enumerate" not in self._memo:
-            names = list(self.params)
-            combos = (Config.of(dict(zip(names, c))) for c in itertools.product(*(self.params[n] for n in names)))
-            self._memo["enumerate"] = tuple(c for c in combos if self.check(c))
+            self._memo["enumerate"] = self._memo["compiled"].enumerate()
         return self._memo["enumerate"]
 
     def nearest_default(self, usable: Callable[[Config], bool]) -> Config | None:
@@ -103,6 +150,59 @@ class Space:
 
         self._memo["by_distance"] = tuple(sorted(self.enumerate(), key=rank))
         return self._memo["by_distance"]
+
+
+class _CompiledSpace:
+    """A space's constraints compiled once into two generated functions: `first_failing` (the
+    index of the first constraint a config breaks, -1 for none: `Space.check`) and an
+    enumeration that walks the knobs as nested loops in declaration order and tests each
+    constraint as soon as the knobs it names are bound, so a pruned branch is never expanded
+    (groupnorm_fwd: 466,560 points in the product, a few percent of them valid)."""
+
+    def __init__(self, params: dict[str, tuple[Any, ...]], constraints: tuple[Constraint, ...], op: str):
+        self.names = list(params)
+        self.params = params
+        # (type, value) of every value of each knob: a value of the space's own type is found by
+        # one lookup; any other (a numpy int, say) takes `_same_kind`'s slower walk
+        self.exact = {n: {(type(v), v) for v in vs} for n, vs in params.items()}
+        for c in constraints:
+            unknown = [n for n in c.names if n not in params]
+            if unknown:
+                raise ValueError(f"tuning space {op}: constraint {c.expr!r} names {unknown}, which are not knobs "
+                                 f"of the space ({self.names})")
+        arg = {n: f"_p{i}" for i, n in enumerate(self.names)}
+        tests = [ast.unparse(_rename(_parse_expr(c.expr), arg)) for c in constraints]
+        body = "".join(f"    if not ({t}):\n        return {i}\n" for i, t in enumerate(tests))
+        self.first_failing = _function(f"def _first_failing({', '.join(arg.values())}):\n{body}    return -1\n",
+                                       "_first_failing")
+        # loops: the leading knobs share the first loop when there are more than _MAX_LOOPS
+        head = max(1, len(self.names) - _MAX_LOOPS + 1)
+        self.loops = [self.names[:head]] + [[n] for n in self.names[head:]] if self.names else []
+        level = {n: i for i, names in enumerate(self.loops) for n in names}
+        at: dict[int, list[str]] = {}
+        for c, t in zip(constraints, tests):
+            at.setdefault(max((level[n] for n in c.names), default=-1), []).append(t)
+        lines = [f"def _enumerate(_out, _C, {', '.join(f'_V{i}' for i in range(len(self.loops)))}):"]
+        lines += [f"    if not ({t}):\n        return" for t in at.get(-1, [])]
+        indent = "    "
+        for i, names in enumerate(self.loops):
+            target = ", ".join(arg[n] for n in names)
+            lines.append(f"{indent}for {target} in _V{i}:")
+            indent += "    "
+            lines += [f"{indent}if not ({t}):\n{indent}    continue" for t in at.get(i, [])]
+        # a Config's items are sorted by name (Config.of): emit them in that order
+        items = ", ".join(f"({n!r}, {arg[n]})" for n in sorted(self.names))
+        lines.append(f"{indent}_out(_C(({items}{',' if len(self.names) == 1 else ''})))")
+        self._enumerate = _function("\n".join(lines) + "\n", "_enumerate")
+
+    def enumerate(self) -> tuple[Config, ...]:
+        out: list[Config] = []
+        if not self.names:
+            return ()
+        loops = [list(itertools.product(*(self.params[n] for n in names))) if len(names) > 1 else self.params[names[0]]
+                 for names in self.loops]
+        self._enumerate(out.append, Config, *loops)
+        return tuple(out)
 
 
 def _parse(doc: dict[str, Any]) -> Space:

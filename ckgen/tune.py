@@ -433,7 +433,8 @@ def final_measured(config: Config, instance: str, sha256: str, rounds: list[floa
 
 def _valid_space(op: OpSpec, problem: Problem, target: Target,
                  restrict: Callable[[Config], bool] | None) -> list[Config]:
-    valid = [c for c in op.space.enumerate() if op.validate(problem, c, target) and (restrict is None or restrict(c))]
+    # `restrict` first: a set lookup where it is given (a replay's recorded configs), before validate
+    valid = [c for c in op.space.enumerate() if (restrict is None or restrict(c)) and op.validate(problem, c, target)]
     if not valid:
         raise RuntimeError(f"{op.name} {problem.key()}: no config of the space is valid for this problem")
     return valid

@@ -2,6 +2,11 @@ import os
 
 import pytest
 
+# numpy's BLAS in one thread: the cost-model fits are small matrix products, and on CI's 2 cores
+# (shared with the tests' workers and servers) a second BLAS thread spins more than it helps.
+# Set before numpy is imported (the test modules import it, after this file).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 
 def pytest_configure(config):
     """One compiled-kernel folder for the whole run (CKGEN_KERNEL_CACHE, unless set already): every

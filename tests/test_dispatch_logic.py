@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -35,9 +36,10 @@ def save(*entries) -> None:
     dbmod.save_entries(settings.user_db_path(), entries)
 
 
-def valid(p, target: Target = SM90, **want) -> list[Config]:
-    return [c for c in OP.space.enumerate() if OP.validate(p, c, target)
-            and all(c[k] == v for k, v in want.items())]
+def valid(p, target: Target = SM90, **want) -> Iterator[Config]:
+    """The space's configs with the knob values `want` that are valid for p, lazily (the module's
+    configs below are picked at import: only as many are validated as it takes to find them)."""
+    return (c for c in OP.space.enumerate() if all(c[k] == v for k, v in want.items()) and OP.validate(p, c, target))
 
 
 @pytest.fixture(autouse=True)
@@ -293,7 +295,7 @@ def test_explain_without_gpu() -> None:
     assert OP.validate(p, choice.config, SM90)
     assert "groupnorm_fwd" in str(choice) and "[default]" in str(choice)
 
-    cfg = valid(p, cluster=2)[0]
+    cfg = next(valid(p, cluster=2))
     save(entry(p, cfg))
     ckgen.reload_db()
     tuned = ckgen.explain("groupnorm_fwd", **kw, arch="sm_90")

@@ -4,8 +4,8 @@
    values, shifted by one sample of the group, one pixel row after another; then the block adds
    the per-channel sums; mean = shift + sum / count), against the float64 mean: at the limit the
    error stays well inside the mean's tolerance, far past it it does not (the H100 sweep of
-   1x256x256x256 bf16 NHWC failed verification exactly on the configs with 32,768 and 65,536
-   serial adds: bench/results/sweeps/sweep-groupnorm_fwd-nhwc-1x256x256x256-*.json).
+   1x256x256x256 bf16 NHWC fails verification exactly on the configs with 32,768 and 65,536
+   serial adds: tests/data/sweeps/sweep-groupnorm_fwd-nhwc-1x256x256x256-*.json).
 2. validate() rejects every config over the limit and only those (the sweep's failures among them)."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ckgen.ops.groupnorm import MAX_SERIAL_ADDS
 from ckgen.replay import read_sweep_doc, sweep_paths
 from ckgen.types import Target
 
-SWEEPS = Path(__file__).resolve().parents[1] / "bench" / "results" / "sweeps"
+SWEEPS = Path(__file__).resolve().parent / "data" / "sweeps"
 T90 = Target.named("sm_90")
 
 

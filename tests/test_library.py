@@ -7,12 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ckgen import cli, library
 from ckgen import db as dbmod
 from ckgen.instance import render_instance
-from ckgen.ops import get_op
+from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Target
+from ckgen.types import DTYPES, LAYOUTS
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = ["sm_80", "sm_90", "gfx90a", "gfx942", "gfx1100"]
@@ -38,9 +40,33 @@ def test_every_target_has_instances_with_headers(shipped_plan):
         assert inst.problems
 
 
-def test_cuda_instances_build_with_a_resource_report(shipped_plan):
-    cuda = [i for i in shipped_plan if i.target.vendor == "cuda"]
-    built = library.build(cuda)
+def _stratum(inst) -> tuple:
+    """(op, dtype, layout, arch family): the family is what the sources differ by per target
+    (vendor, warp size, clusters): sm_80, sm_90, CDNA (gfx90a, gfx942: wave64), RDNA (gfx1100)."""
+    p = get_op(inst.op).problem_from_key(inst.problems[0])
+    t = inst.target
+    return inst.op, p.dtype, p.layout, t.vendor, t.warp_size, t.clusters
+
+
+def _sample(plan) -> list:
+    """One instance of every stratum of the plan (`_stratum`), each picked by its source's hash:
+    a fixed pick for given sources, spread over the stratum's archs and templates' configs."""
+    best: dict[tuple, object] = {}
+    for inst in plan:
+        k = _stratum(inst)
+        if k not in best or inst.source.sha256 < best[k].source.sha256:
+            best[k] = inst
+    return [best[k] for k in sorted(best)]
+
+
+def _require_hip() -> None:
+    if library.hip_toolchain() is None:
+        if os.environ.get("CKGEN_REQUIRE_HIP") == "1":
+            pytest.fail("CKGEN_REQUIRE_HIP=1 but no HIP toolchain: run tools/hip-toolchain")
+        pytest.skip("no HIP toolchain (tools/hip-toolchain installs one)")
+
+
+def _check_cuda(built) -> None:
     bad = [f"{b.instance.target.arch} {b.instance.source.name}: {b.message}" for b in built if not b.ok]
     assert not bad, bad
     for b in built:
@@ -51,17 +77,54 @@ def test_cuda_instances_build_with_a_resource_report(shipped_plan):
         assert all({"registers", "spill_stores", "smem_bytes"} <= set(r) for r in b.report.values())
 
 
-def test_hip_instances_build(shipped_plan):
-    if library.hip_toolchain() is None:
-        if os.environ.get("CKGEN_REQUIRE_HIP") == "1":
-            pytest.fail("CKGEN_REQUIRE_HIP=1 but no HIP toolchain: run tools/hip-toolchain")
-        pytest.skip("no HIP toolchain (tools/hip-toolchain installs one)")
-    hip = [i for i in shipped_plan if i.target.vendor == "hip"]
-    built = library.build(hip)
+def _check_hip(built) -> None:
     bad = [f"{b.instance.target.arch} {b.instance.source.name}: {b.message[-500:]}" for b in built if not b.ok]
     assert not bad, bad
     for b in built:
-        assert all("vgprs" in r for r in b.report.values()), b.report
+        assert b.report and all("vgprs" in r for r in b.report.values()), b.report
+
+
+def test_the_sample_covers_every_op_dtype_layout_and_arch_family(shipped_plan):
+    sample = _sample(shipped_plan)
+    assert {_stratum(i) for i in sample} == {_stratum(i) for i in shipped_plan}
+    assert {(i.op, *_stratum(i)[1:3]) for i in sample} == {(op.name, d, l) for op in all_ops() for d in DTYPES
+                                                          for l in LAYOUTS}
+    assert {_stratum(i)[3:] for i in sample} == {("cuda", 32, False), ("cuda", 32, True), ("hip", 64, False),
+                                                 ("hip", 32, False)}
+    assert {i.target.arch for i in sample} == set(TARGETS)
+
+
+def test_a_sample_of_cuda_instances_builds_with_a_resource_report(shipped_plan):
+    """The fast tier's build: one instance per op x dtype x layout x arch family (the quality
+    tier builds every instance)."""
+    _check_cuda(library.build([i for i in _sample(shipped_plan) if i.target.vendor == "cuda"]))
+
+
+def test_a_sample_of_hip_instances_builds(shipped_plan):
+    _require_hip()
+    _check_hip(library.build([i for i in _sample(shipped_plan) if i.target.vendor == "hip"]))
+
+
+def test_hip_builds_with_the_precompiled_header_report_what_plain_builds_do(shipped_plan):
+    """`build` compiles HIP sources against hip_runtime.h precompiled per arch: the compiler's
+    report is that of a compile that parses the header."""
+    _require_hip()
+    hip = [i for i in _sample(shipped_plan) if i.target.vendor == "hip"]
+    pick = [next(i for i in hip if i.target.warp_size == w) for w in (64, 32)]
+    with_pch, plain = library.build(pick), library.build(pick, hip_pch=False)
+    _check_hip(with_pch)
+    assert [b.report for b in with_pch] == [b.report for b in plain]
+
+
+@pytest.mark.quality
+def test_cuda_instances_build_with_a_resource_report(shipped_plan):
+    _check_cuda(library.build([i for i in shipped_plan if i.target.vendor == "cuda"]))
+
+
+@pytest.mark.quality
+def test_hip_instances_build(shipped_plan):
+    _require_hip()
+    _check_hip(library.build([i for i in shipped_plan if i.target.vendor == "hip"]))
 
 
 def _entry(problem, config, arch="sm_90", date="2026-11-22T00:00:00+00:00"):
@@ -110,16 +173,21 @@ def test_drift_names_changed_missing_and_extra_manifests(shipped_plan, tmp_path)
 
 
 def test_cli_generate_and_check(tmp_path, capsys):
+    """generate writes and builds one op's instances (the smallest op: the CLI's path, not every
+    instance, which the quality tier builds), --check passes, then fails on a stale manifest (a render's sha256 changed)."""
     packaged = str(dbmod.packaged_db_path())
     out = tmp_path / "lib"
-    assert cli.main(["generate", "--db", packaged, "--target", "sm_90", "--out", str(out)]) == 0
-    assert (out / "sm_90" / "groupnorm_fwd" / "manifest.yaml").is_file()
-    assert (out / "sm_90" / "groupnorm_fwd" / "report.yaml").is_file()
-    assert cli.main(["generate", "--db", packaged, "--target", "sm_90", "--out", str(out), "--check"]) == 0
+    argv = ["generate", "--db", packaged, "--target", "sm_90", "--ops", "maxpool2d_fwd", "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert (out / "sm_90" / "maxpool2d_fwd" / "manifest.yaml").is_file()
+    report = yaml.safe_load((out / "sm_90" / "maxpool2d_fwd" / "report.yaml").read_text())
+    assert report and all(r["ok"] and r["kernels"] for r in report.values())
+    assert [p.name for p in out.iterdir()] == ["sm_90"] and [p.name for p in (out / "sm_90").iterdir()] == ["maxpool2d_fwd"]
+    assert cli.main([*argv, "--check"]) == 0
     manifest = out / "sm_90" / "maxpool2d_fwd" / "manifest.yaml"
     manifest.write_text(manifest.read_text().replace("source_sha256: ", "source_sha256: 0", 1))
     capsys.readouterr()
-    assert cli.main(["generate", "--db", packaged, "--target", "sm_90", "--out", str(out), "--check"]) == 1
+    assert cli.main([*argv, "--check"]) == 1
     assert "out of date" in capsys.readouterr().err
     assert cli.main(["generate", "--target", "sm_99x"]) == 2
 

@@ -1,11 +1,11 @@
 """CPU tests of the pooling forward's register estimate (`_regs_needed`, which `validate` checks
-against the launch bounds' budget and the cost model uses for occupancy), for NHWC, where it
-undercounted 2-4x and admitted configs that spill.
+against the launch bounds' budget and the cost model uses for occupancy), for NHWC, where an
+estimate too low admits configs that spill.
 
 Two kinds of evidence, both independent of the estimate's own arithmetic: kernels compiled here
 with NVRTC for sm_90 at their own launch bounds (ptxas says whether they spill), and the
-committed study of every recorded NHWC forward instance (bench/results/logs/
-pool-spill-sm90-nvrtc.jsonl.gz, tools/pool-spill-study.py) joined with the H100 tuning records."""
+committed study of every recorded NHWC forward instance (tests/data/pool-spill-sm90-nvrtc.jsonl.gz,
+tools/pool-spill-study.py) joined with the H100 tuning records."""
 from __future__ import annotations
 
 import collections
@@ -20,7 +20,7 @@ from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 
 REPO = Path(__file__).resolve().parents[1]
-STUDY = REPO / "bench" / "results" / "logs" / "pool-spill-sm90-nvrtc.jsonl.gz"
+STUDY = Path(__file__).resolve().parent / "data" / "pool-spill-sm90-nvrtc.jsonl.gz"
 
 
 def _study() -> list[dict]:

@@ -15,7 +15,7 @@ from ckgen import tune
 from ckgen.replay import ReplayEvaluator
 from ckgen.sampler import settled
 from ckgen.tune import StudyStorageError, open_storage, search, study_name
-from test_tune_search import OP, PROBLEM, SM90, VALID, synthetic
+from test_tune_search import OP, PROBLEM, SM90, synthetic, valid
 
 States = optuna.trial.TrialState
 TUNERS, TRIALS = 4, 8
@@ -58,7 +58,7 @@ def test_a_dead_tuners_running_trial_is_recovered(tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "HEARTBEAT_S", 1)
     monkeypatch.setattr(tune, "GRACE_S", 2)
     url = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
-    few = sorted(VALID, key=lambda c: c.key())[:6]
+    few = sorted(valid(), key=lambda c: c.key())[:6]
     keep = set(few)
     search(OP, PROBLEM, SM90, 132, ReplayEvaluator(synthetic), trials=1, timeout=None, storage=url, seed=0,
            restrict=keep.__contains__)

@@ -4,6 +4,7 @@ as they arrive, failures as data, timeout, resume, one trial per config and the 
 are tested in CI."""
 from __future__ import annotations
 
+import functools
 import time
 
 import optuna
@@ -20,7 +21,13 @@ from ckgen.tune import NEIGHBOURS, _Objective, final_round, finalists, model_pic
 OP = get_op("groupnorm_fwd")
 SM90 = Target.named("sm_90")
 PROBLEM = OP.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc")
-VALID = {c for c in OP.space.enumerate() if OP.validate(PROBLEM, c, SM90)}
+
+
+@functools.cache
+def valid() -> frozenset[Config]:
+    """PROBLEM's valid configs (worked out on first use, not while the tests are collected)."""
+    return frozenset(c for c in OP.space.enumerate() if OP.validate(PROBLEM, c, SM90))
+
 States = optuna.trial.TrialState
 
 
@@ -73,7 +80,7 @@ def test_one_trial_per_distinct_config_and_no_invalid_trial():
     complete = trial_configs(study)
     assert len(complete) == 40 == len(set(complete))  # no repeat told as a new trial
     assert len(study.trials) == 40  # nothing pruned, nothing invalid
-    assert all(c in VALID for c in complete) and ev.pruned == 0
+    assert all(c in valid() for c in complete) and ev.pruned == 0
 
 
 @pytest.mark.parametrize("sampler", [s for s in STRATEGIES if s != "optuna-gp"])
@@ -81,7 +88,7 @@ def test_every_sampler_proposes_only_unseen_valid_configs(sampler):
     ev = Replay(synthetic)
     study, _ = run(ev, trials=30, sampler=sampler, seed=3)
     assert len(ev.calls) == 30 == len(set(ev.calls))
-    assert all(c in VALID for c in ev.calls)
+    assert all(c in valid() for c in ev.calls)
     assert {t.state for t in study.trials} == {States.COMPLETE}
 
 
@@ -142,7 +149,7 @@ def test_study_resumes_from_storage(tmp_path):
 
 
 def test_restrict_limits_the_searched_configs():
-    allowed = {c for c in VALID if c["merge"] == "cluster" and c["threads"] == 256}
+    allowed = {c for c in valid() if c["merge"] == "cluster" and c["threads"] == 256}
     ev = Replay(synthetic)
     study, default_cfg = run(ev, trials=25, restrict=allowed.__contains__)
     assert set(ev.calls) <= allowed and default_cfg in allowed
@@ -180,7 +187,7 @@ def test_seeds_hold_the_winners_of_the_nearest_recorded_problems():
     from ckgen import costmodel
 
     assert costmodel.load() is None
-    cfgs = sorted(VALID, key=Config.key)
+    cfgs = sorted(valid(), key=Config.key)
     a, b, c, d, e = cfgs[3], cfgs[40], cfgs[80], cfgs[120], cfgs[160]
     near, nearer, far = _shape(N=2), _shape(N=4), _shape(N=8, layout="nchw")
     recs = (_recs(OP, near, [(a, 9.0), (b, 5.0)]) + _recs(OP, nearer, [(c, 3.0), (a, 4.0)])
@@ -225,7 +232,7 @@ def test_finalists_are_the_best_distinct_configs_then_the_default():
     ev = Replay(synthetic)
     study, default_cfg = run(ev, trials=20)
     best = sorted(synthetic(c) for c in set(ev.calls))
-    fin = finalists(study, default_cfg, VALID, count=3)
+    fin = finalists(study, default_cfg, valid(), count=3)
     assert [synthetic(c) for c in fin[:3]] == best[:3]
     assert fin[-1] == default_cfg and len(fin) == len(set(fin))
 
@@ -235,11 +242,11 @@ def test_the_final_round_also_retimes_the_dispatchers_pick():
     after the study's best and the default, once, and only if valid."""
     ev = Replay(synthetic)
     study, default_cfg = run(ev, trials=20)
-    fin = finalists(study, default_cfg, VALID, count=3)
-    slow = max((c for c in VALID if c not in fin), key=synthetic)
-    assert finalists(study, default_cfg, VALID, count=3, also=(slow, default_cfg, slow)) == fin + [slow]
-    outside = next(c for c in OP.space.enumerate() if c not in VALID)
-    assert finalists(study, default_cfg, VALID, count=3, also=(outside,)) == fin
+    fin = finalists(study, default_cfg, valid(), count=3)
+    slow = max((c for c in valid() if c not in fin), key=synthetic)
+    assert finalists(study, default_cfg, valid(), count=3, also=(slow, default_cfg, slow)) == fin + [slow]
+    outside = next(c for c in OP.space.enumerate() if c not in valid())
+    assert finalists(study, default_cfg, valid(), count=3, also=(outside,)) == fin
 
 
 class FakeHarness:
@@ -265,7 +272,7 @@ class ScriptedTimer:
 def test_final_round_retimes_fresh_interleaved_and_picks_by_median():
     ev = Replay(synthetic)
     study, default_cfg = run(ev, trials=12)
-    fin = finalists(study, default_cfg, VALID, count=3)
+    fin = finalists(study, default_cfg, valid(), count=3)
     lucky, steady = fin[0], fin[1]
     # `lucky` had one fast timing in the search; fresh, it is slower most of the time.
     script = {c: [50.0] * 5 for c in fin}
@@ -274,7 +281,7 @@ def test_final_round_retimes_fresh_interleaved_and_picks_by_median():
     timer = ScriptedTimer(script)
     obj = _Objective(OP, PROBLEM, SM90, FakeHarness(), timer)
     obj.measured = {c: ev.measured[c] for c in fin if c in ev.measured}  # the search's cached results
-    ranked = final_round(obj, study, default_cfg, VALID, rounds=5, count=3)
+    ranked = final_round(obj, study, default_cfg, valid(), rounds=5, count=3)
     assert len(timer.log) == 5 * len(fin)  # every finalist timed fresh every round
     n = len(fin)
     rounds = [timer.log[i * n:(i + 1) * n] for i in range(5)]
@@ -299,7 +306,7 @@ def test_start_compiles_in_worker_processes_and_measure_waits_for_it():
     from ckgen.compile import cubin_path
     from ckgen.instance import render_instance
 
-    configs = sorted(VALID, key=lambda c: c.key())[:3]
+    configs = sorted(valid(), key=lambda c: c.key())[:3]
     obj = _Objective(OP, PROBLEM, SM90, FakeHarness(), ScriptedTimer({c: [1.0] for c in configs}))
     obj.start(configs)  # returns at once; the compiles run in spawned workers
     assert set(obj.pending) == set(configs)

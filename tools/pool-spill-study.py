@@ -3,7 +3,7 @@ forward instance in a records file is compiled with NVRTC for sm_90 at its own l
 (`ptxas -v`: registers, spill-store bytes), with today's `_regs_needed` estimate beside it,
 and joined with the records' H100 times (`best_ratio`: the instance's best time over the fastest
 recorded config of its problem; `wins`: the problems it was fastest on). One JSON line per
-instance in bench/results/logs/pool-spill-sm90-nvrtc.jsonl.gz; resumes where it stopped (the join
+instance in tests/data/pool-spill-sm90-nvrtc.jsonl.gz; resumes where it stopped (the join
 is redone for every line).
 
     PYTHONPATH=. python3 tools/pool-spill-study.py [--records FILE] [--workers N]
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-OUT = ROOT / "bench" / "results" / "logs" / "pool-spill-sm90-nvrtc.jsonl.gz"
+OUT = ROOT / "tests" / "data" / "pool-spill-sm90-nvrtc.jsonl.gz"
 OPS = ("maxpool2d_fwd", "avgpool2d_fwd")
 
 

@@ -238,7 +238,7 @@ class _PoolOp(OpSpec):
         vectors (vec_bytes / 4 words each) before its taps, and NVRTC keeps about `rows` = 3 rows
         of those loads in flight (the kernel is fully unrolled; None: all FR rows). Calibrated on
         3,442 recorded NHWC forward instances compiled for sm_90 at their own launch bounds
-        (bench/results/logs/pool-spill-sm90-nvrtc.jsonl.gz, tools/pool-spill-study.py): of the 439
+        (tests/data/pool-spill-sm90-nvrtc.jsonl.gz, tools/pool-spill-study.py): of the 439
         that spill, this admits 135 (the old "2 vectors" row admitted all 439), and it rejects
         no recorded winner."""
         fr, fc = self._footprint_dims(p, config)

@@ -294,8 +294,8 @@ def pool(workers: int | None = None) -> cf.ProcessPoolExecutor:
     exit. Not by atexit alone: a multiprocessing child leaves through os._exit, never running
     atexit, and multiprocessing's exit joins the child's own children first, the pool's
     processes, which wait for work forever; so it is also a multiprocessing finalizer, which that
-    exit runs before the join (any multiprocessing child that tunes: online tuning in a
-    DataLoader worker, say)."""
+    exit runs before the join (any multiprocessing child that compiles through the pool: a
+    script's own child running `compile_many` or `tune.tune_problem`, say)."""
     global _pool, _pool_pid
     with _pool_lock:
         if _pool is None or _pool_pid != os.getpid():  # a pool of the process this one forked from is not ours

@@ -120,8 +120,8 @@ class HangingBackend(CompilingBackend):
 
 def compile_in_child(count: int = 3) -> None:
     """A multiprocessing child's work that compiles `count` configs of the first problem through
-    the tuner's background compile pool and returns without shutting the pool down (as online
-    tuning in a user's child process would)."""
+    the tuner's background compile pool and returns without shutting the pool down (as a
+    script's own child running `tune.tune_problem` would)."""
     from ckgen import tune
 
     problem = PROBLEMS[0]

@@ -329,10 +329,10 @@ def test_split_winners_are_carried_with_their_grid(model_on, monkeypatch):
     seen = []
     real = costmodel.CostModel.choose
 
-    def spy(self, op, prob, target, usable, extra_winners=(), accept=None):
+    def spy(self, op, prob, target, usable, extra_winners=(), accept=None, admitted=None):
         extra_winners = list(extra_winners)
         seen.append(extra_winners)
-        return real(self, op, prob, target, usable, extra_winners, accept)
+        return real(self, op, prob, target, usable, extra_winners, accept, admitted)
 
     monkeypatch.setattr(costmodel.CostModel, "choose", spy)
     costmodel.dispatch_pick(GN, p, SM90, [_entry(q, w)], lambda c: bool(GN.validate(p, c, SM90)))

@@ -623,7 +623,7 @@ def test_tune_on_device_glue_with_a_fake_gpu(monkeypatch) -> None:
     """tune_on_device with CuPy, the device, the harness and the timer faked: the real objective
     compiles ahead in threads (no worker process), waits for the caller's GPU work first, frees
     CuPy's pool after, records every measurement, and returns the winner's entry."""
-    from ckgen import bench, records, tune, verify
+    from ckgen import bench, records, verify
     from ckgen import target as targetmod
     from ckgen.bench import Timing
     from ckgen.verify import Check
@@ -665,7 +665,9 @@ def test_tune_on_device_glue_with_a_fake_gpu(monkeypatch) -> None:
     monkeypatch.setattr(verify, "Harness", FakeHarness)
     monkeypatch.setattr(bench, "Timer", FakeTimer)
     monkeypatch.setattr(online, "_compile", compile_in_thread)
-    jobs_before = tune._jobs
+    from ckgen import compile as ck_compile
+
+    pool_before = ck_compile._pool
     p = problem(N=8, layout="nhwc")
     e = online.tune_on_device(OP, p, device=0, trials=4, max_seconds=None)
     assert events[:2] == ["sync", "harness"] and events[-1] == "free"
@@ -674,6 +676,6 @@ def test_tune_on_device_glue_with_a_fake_gpu(monkeypatch) -> None:
     assert prov["tuned_by"] == "online" and prov["cupy"] == "14.0-fake" and prov["cuda_driver"] == 13010
     assert prov["trials"] == 4 and e.time_us == pytest.approx(_synthetic(Config.of(e.config_dict())))
     assert compiled and all(name.startswith("ckgen-compile") for name in compiled)  # threads, not processes
-    assert tune._jobs is jobs_before
+    assert ck_compile._pool is pool_before  # no compile pool (processes) was started
     recs = records.read(records.user_records_path())
     assert len([r for r in recs if r["phase"] == "trial"]) == 4 and any(r["phase"] == "final" for r in recs)

@@ -7,7 +7,8 @@ import numpy as np
 
 from ...types import DTYPES, Config, Tolerance
 from ..numeric import from_storage, to_storage
-from .base import _STORAGE_BITS, _PoolBwd, _PoolOp
+from .base import _STORAGE_BITS, _PoolOp
+from .bwd import _PoolBwd
 from .problem import AvgPoolProblem, PoolProblem, avgpool2d_bwd_reference, avgpool2d_reference, smooth_random
 
 # fp32 accumulation, then one rounding to the dtype (the reference is exact float64)

@@ -1,5 +1,5 @@
 """What the four pooling OpSpecs share (`_PoolOp`): problems from the space and the CLI, layouts,
-validation, launch geometry, naming, packing; and the backward ops' common part (`_PoolBwd`)."""
+validation, launch geometry, naming, packing. The backward ops' common part is `bwd._PoolBwd`."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ import numpy as np
 
 from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
-from ..numeric import from_storage, to_storage
+from ..numeric import to_storage
 from ..spec import OpSpec, full_shapes, problem_of
 from .problem import PoolProblem, covering, covering_span
 
@@ -415,60 +415,6 @@ class _PoolOp(OpSpec):
 
     def min_bytes(self, p: PoolProblem) -> int:
         raise NotImplementedError
-
-
-class _PoolBwd(_PoolOp):
-    backward: ClassVar[bool] = True
-
-    def _name_algo(self, c: Config) -> str:
-        return f"_{c['algo']}"
-
-    def _scatter_to_ws(self, p: PoolProblem) -> bool:
-        """Scatter with overlapping windows in 16-bit: fp32 atomics on a workspace, then convert."""
-        return p.overlap and p.dtype != "fp32"
-
-    def _validate_more(self, p: PoolProblem, config: Config, target: Target) -> Support:
-        if config["algo"] == "scatter" and p.numel >= 2**40:
-            return Support.no("scatter's zero/convert loops take at most 2^40 elements")
-        return Support.yes()
-
-    def _regs_needed(self, p: PoolProblem, config: Config) -> int:
-        th, tw = self.tile(config)
-        vec = self.vec_elems(p, config)
-        if self.aligned_gather(p, config):
-            na, nb = self.cover_counts(p, config)
-            xfoot = math.prod(self._x_footprint_dims(p, config)) if self.x_footprint(p, config) else 0
-            return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32 + xfoot
-        return th * tw * vec + 4 * vec + 32
-
-    def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
-        main = super().launches(p, config, target)
-        if config["algo"] != "scatter":
-            return main
-        name, t = main[0].kernel, config["threads"]
-        fill = (min(_cdiv(_cdiv(p.numel * 4, 16), t), 65536), 1, 1)  # grid-stride loops
-        if self._scatter_to_ws(p):
-            return (Launch(f"{name}_zero", fill, (t, 1, 1)), main[0], Launch(f"{name}_convert", fill, (t, 1, 1)))
-        return (Launch(f"{name}_zero", fill, (t, 1, 1)), main[0])
-
-    def workspace_bytes(self, p: PoolProblem, config: Config) -> int:
-        return p.numel * 4 if config["algo"] == "scatter" and self._scatter_to_ws(p) else 0
-
-    def render_context(self, p: PoolProblem, config: Config, target: Target) -> dict[str, Any]:
-        ctx = super().render_context(p, config, target)
-        ctx["scatter_ws"] = self._scatter_to_ws(p)
-        if self.aligned_gather(p, config):
-            ch, cw = self._cover(p, config, 0), self._cover(p, config, 1)
-            (h0, hn), (w0, wn) = _cover_span(ch), _cover_span(cw)
-            ctx.update(aligned=True, cover_h=ch, cover_w=cw, cover_h0=h0, cover_hn=hn, cover_w0=w0, cover_wn=wn,
-                       xfoot=self.x_footprint(p, config))
-        return ctx
-
-    def output_buffers(self, p: PoolProblem) -> dict[str, tuple[int, Any]]:
-        return {"dx": (p.numel, _STORAGE_BITS[p.dtype])}
-
-    def unpack_outputs(self, p: PoolProblem, raw: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {"dx": self._logical(p, from_storage(raw["dx"], p.dtype), p.H, p.W)}
 
 
 @functools.lru_cache(maxsize=4096)

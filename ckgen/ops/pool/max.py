@@ -8,7 +8,8 @@ import numpy as np
 
 from ...types import DTYPES, Config, Launch, Support, Target, Tolerance
 from ..numeric import from_storage, round_to, to_storage
-from .base import _STORAGE_BITS, _cdiv, _PoolBwd, _PoolOp
+from .base import _STORAGE_BITS, _cdiv, _PoolOp
+from .bwd import _PoolBwd
 from .problem import MaxPoolBwdProblem, MaxPoolFwdProblem, PoolProblem, maxpool2d_bwd_reference, maxpool2d_reference, tie_heavy
 
 # max pool backward: a sum of the few dy of overlapping windows in fp32, rounded once

@@ -488,26 +488,58 @@ def _entries_sheet(user: Any, layered: Any, op: str | None = None) -> Sheet:
     return sheet
 
 
+def _op_option(name: str | None, flag: str = "--op") -> Any:
+    """The op named by `flag` (None: none given); an unknown name is a usage error listing them."""
+    from .ops import all_ops, get_op
+
+    if name is None:
+        return None
+    known = [o.name for o in all_ops()]
+    if name not in known:
+        raise UsageError(f"{flag}: unknown {name!r}; choose from {', '.join(known)}")
+    return get_op(name)
+
+
+def _value(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
+    """The ops: their tunables and problem grids (`--op NAME`: one op, every tunable's values and
+    every grid's size). The DB's entries are `ckgen db show`'s."""
     from .ops import all_ops
 
-    _, user, _, layered = _layers(args)
-    ops = Sheet("ops", "ops", (Col("op", ident=True), Col("template", ident=True),
-                               Col("tunables", fmt=", ".join), Col("default_problems", "default problems", number=True),
-                               Col("grids", "grids (tune --grid)", fmt=", ".join)))
-    for op in all_ops():
-        ops.add(op.name, op.template, list(op.space.params), len(op.default_problems()), op.grid_names())
-    emit(console, resolve(args.format, console), [ops, _entries_sheet(user, layered)])
+    op = _op_option(args.op)
+    _user_db(args)  # read by no list, but checked as every command checks it
+    fmt = resolve(args.format, console)
+    if op is None:
+        sheet = Sheet("ops", "ops (one in full: ckgen list --op NAME; DB entries: ckgen db show)", (
+            Col("op", ident=True), Col("tunables", fmt=", ".join),
+            Col("default_problems", "default problems", number=True),
+            Col("grids", "grids (tune --grid)", fmt=", ".join)))
+        for o in all_ops():
+            sheet.add(o.name, list(o.space.params), len(o.default_problems()), o.grid_names())
+        emit(console, fmt, [sheet])
+        return 0
+    space = op.space
+    tunables = Sheet("tunables", f"tunables of {op.name} (template {op.template}; tuning_spaces/{op.name}.yaml: "
+                                 f"{plural(len(space.constraints), 'constraint')})", (
+        Col("tunable", ident=True), Col("kind"), Col("values", fmt=lambda vs: ", ".join(map(_value, vs))),
+        Col("default", ident=True, fmt=_value)))
+    for kind, params in (("tile", space.tile), ("algorithm", space.algo)):
+        for name, values in params:
+            tunables.add(name, kind, list(values), space.default.as_dict().get(name))
+    grids = Sheet("grids", f"problem grids of {op.name} (ckgen tune {op.name} --grid NAME --list: a grid's problems)",
+                  (Col("grid", ident=True), Col("problems", number=True), Col("about")))
+    for name in op.grid_names():
+        grids.add(name, len(op.grid_problems(name)), op.grid_about(name))
+    emit(console, fmt, [tunables, grids], {"op": op.name, "template": op.template})
     return 0
 
 
 def cmd_db_show(args: argparse.Namespace) -> int:
-    from .ops import all_ops
-
     op = args.op
-    known = [o.name for o in all_ops()]
-    if op is not None and op not in known:
-        raise UsageError(f"--op: unknown {op!r}; choose from {', '.join(known)}")
+    _op_option(op)
     _, user, _, layered = _layers(args)
     emit(console, resolve(args.format, console), [_entries_sheet(user, layered, op)])
     return 0
@@ -986,7 +1018,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     _common(b, "ckgen bench", cmd_bench)
 
-    ls = sub.add_parser("list", help="list ops and DB entries")
+    ls = sub.add_parser("list", help="the ops, their tunables and problem grids (no GPU needed)",
+                        description="The ops, their tunables and problem grids; with --op, one op's tunables "
+                                    "(values, default) and grids (problems, what they cover). The DB's entries: "
+                                    "`ckgen db show [--op NAME]`.")
+    ls.add_argument("--op", help="one op: every tunable's values and every grid (default: all ops, in brief)")
     _common(ls, "ckgen list", cmd_list, fmt=True)
 
     d = sub.add_parser("db", help="inspect the instance DB")

@@ -8,6 +8,7 @@ shipped DB by every command, as the dispatcher layers them."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -184,7 +185,8 @@ def _check_problem_options(op: Any, args: argparse.Namespace) -> None:
             takers = [o.name for o in all_ops() if dest in o.tune_options]
             raise UsageError(f"{flag}: {op.name} takes no {flag} (it is an option of {', '.join(takers)})")
         if not args.shape and dest != "activation":
-            raise UsageError(f"{flag}: needs --shape (without --shape, tune runs the default problems of {op.name})")
+            raise UsageError(f"{flag}: needs --shape (without --shape, {args.cmd} takes the default problems of "
+                             f"{op.name})")
     if getattr(args, "grid", None) is not None:
         if args.shape:
             raise UsageError("--grid: give either --grid or --shape, not both")
@@ -470,6 +472,63 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
         raise _storage_error(fatal[0].error.splitlines()[0], storage)
     want = len(problems) * max(1, len(devices_seen))
     return 0 if ok == want else 1
+
+
+# ------------------------------------------------------------------ explain
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """`ckgen explain OP [problem options] [--arch ARCH]`: ckgen.explain for each problem, as a
+    table (problem, instance, where the choice came from, why). Needs a GPU only without --arch."""
+    from . import settings
+    from .dispatch import dispatcher
+    from .ops import get_op
+    from .target import gpu_status
+    from .types import Target
+
+    op = get_op(args.op)  # argparse checked the name
+    _check_problem_options(op, args)
+    target = None
+    if args.arch is not None:
+        try:
+            target = Target.named(args.arch)
+        except ValueError as e:
+            raise UsageError(f"--arch: {str(e).removeprefix('target: ')}") from None
+    problems = _problems(op, args)
+    db_path = _user_db(args)
+    _layers(args)  # a corrupt DB file: one line, exit 2 (the dispatcher would only warn)
+    if target is None:
+        why = gpu_status()
+        if why:
+            raise UsageError(f"no usable GPU ({why}); to explain a problem without a GPU, pass --arch "
+                             "(e.g. --arch sm_90)")
+        from .target import current_target
+
+        target = current_target()
+    if getattr(args, "db", None):  # the user DB the dispatcher reads
+        os.environ[settings.ENV_DB] = str(db_path)
+        dispatcher().reload()
+    fmt = resolve(args.format, console)
+    sheet = Sheet("choices", f"{op.name} on {target.arch}: the instance each problem's call would use", (
+        Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True), Col("source"),
+        Col("reason", fmt=printable)))
+    failed = 0
+    log = logging.getLogger("ckgen")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the dispatcher's once-per-problem notice: the table says it
+    try:
+        for p in problems:
+            try:
+                c = dispatcher().choose(op, p, target)[0]
+            except ValueError as e:  # no config of the space can run it: said, and the others go on
+                err.print(f"{p.key()}: {e}", markup=False)
+                failed += 1
+                continue
+            sheet.add(c.problem, c.instance, c.source, c.reason)
+    finally:
+        log.setLevel(level)
+    emit(console, fmt, [sheet], {"op": op.name, "arch": target.arch})
+    return 1 if failed else 0
 
 
 # ------------------------------------------------------------------ list, db show / export / where
@@ -933,6 +992,39 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                         "see docs/architecture.md)")
 
 
+def _problem_options(p: argparse.ArgumentParser) -> None:
+    """The problem options of `ckgen tune` (and `ckgen explain`, which takes the same problems):
+    --shape, --grid, --dtype, --layout and each op's own (PROBLEM_FLAGS)."""
+    p.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
+    p.add_argument("--grid", metavar="NAME",
+                   help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml; e.g. sd15-unet, "
+                        "sdxl-unet, sd-vae for GroupNorm, resnet, vgg for pooling; `ckgen list --op OP` shows them; "
+                        "default: the default problems)")
+    p.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"],
+                   help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
+    p.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
+                   help="repeatable (default: nchw with --shape, else the default problems' layouts)")
+    gn = p.add_argument_group("GroupNorm problem", "for groupnorm_*")
+    gn.add_argument("--groups", type=_positive_int, help="G, dividing C (required with --shape; no default)")
+    gn.add_argument("--activation", choices=["none", "swish"],
+                    help="none or swish (default: none with --shape, else the default problems' activations)")
+    pool = p.add_argument_group("pooling problem", "with --shape, for maxpool2d_* / avgpool2d_*")
+    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW (required with --shape; no default)")
+    pool.add_argument("--stride", type=_csv_ints, help="stride: S or SH,SW (default: the kernel)")
+    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default: 0)")
+    pool.add_argument("--dilation", type=_csv_ints, help="max pooling: D or DH,DW (default: 1)")
+    pool.add_argument("--ceil-mode", action="store_true", default=None,
+                      help="ceil instead of floor for the output size (default: floor)")
+    pool.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=None,
+                      help="avg pooling: count the padding in the divisor (default: yes)")
+    pool.add_argument("--divisor-override", type=_positive_int,
+                      help="avg pooling: divide by this positive integer instead (default: none)")
+    pool.add_argument("--return-indices", action="store_true", default=None,
+                      help="maxpool2d_fwd: also write int64 indices (default: no)")
+    pool.add_argument("--indices", choices=["stored", "recompute"],
+                      help="maxpool2d_bwd: read stored int64 indices or recompute the argmax from x (default: stored)")
+
+
 def parser() -> argparse.ArgumentParser:
     from .ops import all_ops
 
@@ -950,11 +1042,7 @@ def parser() -> argparse.ArgumentParser:
                     "Without --shape, the op's default problems (its tuning space's list, for every dtype and "
                     "layout\nunless --dtype/--layout narrow it). With --shape, one problem per dtype x layout.")
     t.add_argument("op", metavar="OP", choices=op_names, help=f"the op to tune: one of {', '.join(op_names)}")
-    t.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
-    t.add_argument("--grid", metavar="NAME",
-                   help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml; e.g. sd15-unet, "
-                        "sdxl-unet, sd-vae for GroupNorm, resnet, vgg for pooling; --list shows them; "
-                        "default: the default problems)")
+    _problem_options(t)
     t.add_argument("--list", action="store_true",
                    help="tune nothing: list the op's grids, or with --grid/--shape the problems this command "
                         "would tune (no GPU needed; default: off)")
@@ -966,31 +1054,20 @@ def parser() -> argparse.ArgumentParser:
                    help="N worker processes sharing the problems and the study storage; auto: one per visible "
                         "GPU, each pinned with CUDA_VISIBLE_DEVICES (default: one process, no workers); "
                         "--trials/--timeout/--total-timeout then hold for the whole run")
-    t.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"],
-                   help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
-    t.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
-                   help="repeatable (default: nchw with --shape, else the default problems' layouts)")
-    gn = t.add_argument_group("GroupNorm problem", "for groupnorm_*")
-    gn.add_argument("--groups", type=_positive_int, help="G, dividing C (required with --shape; no default)")
-    gn.add_argument("--activation", choices=["none", "swish"],
-                    help="none or swish (default: none with --shape, else the default problems' activations)")
-    pool = t.add_argument_group("pooling problem", "with --shape, for maxpool2d_* / avgpool2d_*")
-    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW (required with --shape; no default)")
-    pool.add_argument("--stride", type=_csv_ints, help="stride: S or SH,SW (default: the kernel)")
-    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default: 0)")
-    pool.add_argument("--dilation", type=_csv_ints, help="max pooling: D or DH,DW (default: 1)")
-    pool.add_argument("--ceil-mode", action="store_true", default=None,
-                      help="ceil instead of floor for the output size (default: floor)")
-    pool.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=None,
-                      help="avg pooling: count the padding in the divisor (default: yes)")
-    pool.add_argument("--divisor-override", type=_positive_int,
-                      help="avg pooling: divide by this positive integer instead (default: none)")
-    pool.add_argument("--return-indices", action="store_true", default=None,
-                      help="maxpool2d_fwd: also write int64 indices (default: no)")
-    pool.add_argument("--indices", choices=["stored", "recompute"],
-                      help="maxpool2d_bwd: read stored int64 indices or recompute the argmax from x (default: stored)")
     _search_options(t)
     _common(t, "ckgen tune", cmd_tune, fmt=True)
+
+    ex = sub.add_parser(
+        "explain", help="which instance each call of a problem would use, and why (no GPU needed with --arch)",
+        description="Which instance the dispatcher would use for OP's problems, and why (what ckgen.explain "
+                    "says): a tuned DB entry, the cost model's pick, the nearest tuned problem's winner or the "
+                    "default. The problems are given as to `ckgen tune`: --shape (one problem per dtype x "
+                    "layout), --grid, or none (the op's default problems). Nothing is compiled or launched.")
+    ex.add_argument("op", metavar="OP", choices=op_names, help=f"the op: one of {', '.join(op_names)}")
+    _problem_options(ex)
+    ex.add_argument("--arch", help="the arch to explain for, e.g. sm_90 (default: this machine's GPU's; "
+                                   "without a GPU, --arch is needed)")
+    _common(ex, "ckgen explain", cmd_explain, fmt=True)
 
     g = sub.add_parser("generate", help="write and build the instance library for targets (no GPU needed)")
     g.add_argument("--target", default="sm_80,sm_90,gfx90a,gfx942,gfx1100",

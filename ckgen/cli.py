@@ -156,6 +156,44 @@ def _no_gpu(why: str) -> UsageError:
     return UsageError(f"no usable GPU ({why})")
 
 
+class _Steps:
+    """Progress over a run's steps on `out`: rich bars on a terminal; anywhere else (a log file,
+    a pipe) no bars, but one line per finished step (`done`), whole and never wrapped, so that a
+    log holds each step once, in order, greppable."""
+
+    def __init__(self, out: Console, *columns: Any) -> None:
+        from rich.progress import Progress
+
+        self.out = out
+        self.live = out.is_terminal
+        self.bar = Progress(*columns, console=out) if self.live else None
+
+    def __enter__(self) -> "_Steps":
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def add_task(self, description: str, **kw: Any) -> Any:
+        return self.bar.add_task(description, **kw) if self.bar is not None else None
+
+    def update(self, task: Any, **kw: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(task, **kw)
+
+    def done(self, line: str) -> None:
+        """A finished step: its line when there are no bars (the bars show it otherwise)."""
+        if self.bar is None:
+            self.out.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _counted(k: int, n: int) -> str:
+    return f"[{k:>{len(str(n))}}/{n}]"
+
+
 # ------------------------------------------------------------------ tune
 
 
@@ -275,7 +313,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise _no_gpu(why)
     import time
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     from . import db as dbmod
     from . import settings
@@ -300,19 +338,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.table import Column
 
     key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))  # a problem key, whole
-    with Progress(key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
-        for p in problems:
+    with _Steps(info_out, key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("best {task.fields[best]}"), TimeElapsedColumn()) as bar:
+        for k, p in enumerate(problems, 1):
             left = None if args.total_timeout is None else args.total_timeout - (time.monotonic() - start)
             if left is not None and left <= 0:
                 info_out.print("[yellow]total time budget spent; remaining problems not tuned[/]")
                 break
             timeout = min(x for x in (args.timeout, left) if x is not None) if (args.timeout or left) else None
             task = bar.add_task(p.key(), total=args.trials, best="-")
+            step = f"{_counted(k, len(problems))} {p.key()}"
 
             def progress(done: int, total: int, best: float, task: Any = task) -> None:
                 bar.update(task, completed=done, best=f"{best:.1f} us" if best < float("inf") else "-")
 
+            t0 = time.monotonic()
             try:
                 r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
                                  seed=args.seed, sampler=args.sampler, on_trial=progress)
@@ -320,12 +360,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 raise _storage_error(e, storage) from None
             except RuntimeError as e:
                 err.print(f"{p.key()}: {e}", markup=False)
+                bar.done(f"{step}: failed ({time.monotonic() - t0:.0f} s)")
                 continue
             try:
                 dbmod.save_entries(db_path, [db_entry(r, info)])
             except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
                 err.print(f"{p.key()}: {e}", markup=False)
+                bar.done(f"{step}: not saved ({time.monotonic() - t0:.0f} s)")
                 continue
+            bar.done(f"{step}: {r.best.instance} {r.best.timing.median_us:.1f} us "
+                     f"({plural(r.trials, 'trial')}, {time.monotonic() - t0:.0f} s)")
             results.append(r)
             sheet.add(p.key(), r.best.instance, r.best.timing.median_us, r.best.timing.spread, r.gbps,
                       r.efficiency, r.speedup_vs_default, len(r.failures))
@@ -384,7 +428,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     """`ckgen tune ... --workers N|auto`: worker processes (ckgen/workers.py), one bar per worker
     and a total, then the table of every problem's result (from the storage: those another
     machine's workers finished too)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
     from . import settings, workers as wk
@@ -409,8 +453,9 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))
     done: dict[str, int] = {}
     stuck: set[int] = set()  # workers stopped because they finished but did not exit
-    with Progress(key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
+    finished: set[str] = set()  # the problems whose result came
+    with _Steps(info_out, key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[best]}"), TimeElapsedColumn()) as bar:
         total = bar.add_task(f"total ({plural(len(problems), 'problem')})", total=len(problems) * args.trials, best="")
         tasks = [bar.add_task(f"worker {i}: starting", total=args.trials, best="") for i in range(n)]
 
@@ -425,8 +470,13 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
                 done[key] = max(done.get(key, 0), run_done)
                 bar.update(total, completed=sum(done.values()))
             elif kind == "result":
-                done[ev[2]] = max(done.get(ev[2], 0), ev[3].get("trials", 0))
+                r = ev[3]
+                done[ev[2]] = max(done.get(ev[2], 0), r.get("trials", 0))
                 bar.update(total, completed=sum(done.values()))
+                finished.add(ev[2])
+                what = (f"failed: {r['error']}" if "error" in r else
+                        f"{r.get('instance')} {r.get('time_us', 0.0):.1f} us ({plural(r.get('trials', 0), 'trial')})")
+                bar.done(f"{_counted(len(finished), len(problems))} {ev[2]}: worker {i}: {what}")
             elif kind == "exit" and ev[2] != 0 and i not in stuck:
                 why = wk.exit_reason(ev[2])
                 info_out.print(f"[yellow]worker {i} died ({why}); its running trials are failed after "
@@ -891,32 +941,49 @@ def cmd_retune(args: argparse.Namespace) -> int:
                    f"from other archs' winners; DB {db_path}", markup=False)
     sheet = _retune_sheet(info)
     start, done = time.monotonic(), 0
-    for item in plan:
-        if args.total_timeout is not None and time.monotonic() - start > args.total_timeout:
-            info_out.print("[yellow]total time budget spent; remaining problems not retuned[/]")
-            break
-        op = get_op(item.op)
-        problem = op.problem_from_key(item.problem)
-        ok = op.validate(problem, item.config, info.target)
-        try:
-            r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
-                             storage=args.storage or settings.study_storage_url(), seed=args.seed,
-                             sampler=args.sampler, warm=(item.config,) if ok else ())
-        except StudyStorageError as e:
-            raise _storage_error(e, args.storage or settings.study_storage_url()) from None
-        except RuntimeError as e:
-            err.print(f"{item.problem}: {e}", markup=False)
-            continue
-        try:
-            dbmod.save_entries(db_path, [db_entry(r, info)])
-        except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
-            err.print(f"{item.problem}: {e}", markup=False)
-            continue
-        done += 1
-        old = r.warm[0].timing.median_us if r.warm else None
-        sheet.add(item.op, item.problem, item.from_arch,
-                  old if old else (f"invalid here ({ok.reason})" if not ok else "failed"),
-                  r.best.instance, r.best.timing.median_us, old / r.best.timing.median_us if old else None)
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))  # op and problem key, whole
+    with _Steps(info_out, key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("best {task.fields[best]}"), TimeElapsedColumn()) as bar:
+        for k, item in enumerate(plan, 1):
+            if args.total_timeout is not None and time.monotonic() - start > args.total_timeout:
+                info_out.print("[yellow]total time budget spent; remaining problems not retuned[/]")
+                break
+            op = get_op(item.op)
+            problem = op.problem_from_key(item.problem)
+            ok = op.validate(problem, item.config, info.target)
+            task = bar.add_task(f"{item.op} {item.problem}", total=args.trials, best="-")
+            step = f"{_counted(k, len(plan))} {item.op} {item.problem}"
+
+            def progress(n: int, total: int, best: float, task: Any = task) -> None:
+                bar.update(task, completed=n, best=f"{best:.1f} us" if best < float("inf") else "-")
+
+            t0 = time.monotonic()
+            try:
+                r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
+                                 storage=args.storage or settings.study_storage_url(), seed=args.seed,
+                                 sampler=args.sampler, warm=(item.config,) if ok else (), on_trial=progress)
+            except StudyStorageError as e:
+                raise _storage_error(e, args.storage or settings.study_storage_url()) from None
+            except RuntimeError as e:
+                err.print(f"{item.problem}: {e}", markup=False)
+                bar.done(f"{step}: failed ({time.monotonic() - t0:.0f} s)")
+                continue
+            try:
+                dbmod.save_entries(db_path, [db_entry(r, info)])
+            except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+                err.print(f"{item.problem}: {e}", markup=False)
+                bar.done(f"{step}: not saved ({time.monotonic() - t0:.0f} s)")
+                continue
+            done += 1
+            bar.done(f"{step}: {r.best.instance} {r.best.timing.median_us:.1f} us "
+                     f"({plural(r.trials, 'trial')}, {time.monotonic() - t0:.0f} s)")
+            old = r.warm[0].timing.median_us if r.warm else None
+            sheet.add(item.op, item.problem, item.from_arch,
+                      old if old else (f"invalid here ({ok.reason})" if not ok else "failed"),
+                      r.best.instance, r.best.timing.median_us, old / r.best.timing.median_us if old else None)
     emit(console, fmt, [sheet], {"device": info.name, "arch": info.target.arch, "db": str(db_path)})
     info_out.print(f"wrote {plural(done, 'entry', 'entries')} for {info.target.arch} to {db_path}", markup=False)
     return 0 if done == len(plan) else 1

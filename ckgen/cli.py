@@ -843,8 +843,10 @@ def _check_out_folder(out: Path, check: bool) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import tempfile
+    import time
 
     from . import library
+    from .ops import get_op
     from .types import Target
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
@@ -859,7 +861,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _check_out_folder(out, args.check)  # before the plan, which takes a while
     _, _, _, layered = _layers(args)  # the user DB over the shipped one, as every command reads them
-    instances = library.plan(targets, ops, from_db=not args.defaults, db=layered)
+    start = time.monotonic()
+    instances = _render(library, targets, ops, layered, from_db=not args.defaults)
+    rendered_s = time.monotonic() - start
     n = plural(len(instances), "instance")
     if args.check:  # regenerate into a temp folder and compare with `out`
         with tempfile.TemporaryDirectory() as d:
@@ -879,7 +883,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: {e}") from None
     library.write(instances, out)
     console.print(f"wrote {n} for {', '.join(targets)} under {out}", markup=False)
+    summary = Sheet("targets", "", (Col("target", ident=True), Col("instances", number=True),
+                                    Col("built", number=True), Col("failed", number=True),
+                                    Col("not_built", "not built", number=True)))
+    per = {t: [0, 0, 0, 0] for t in targets}  # instances, built, failed, not built
+    for i in instances:
+        per[i.target.arch][0] += 1
     if args.no_compile:
+        for t, row in per.items():
+            summary.add(t, row[0], 0, 0, row[0])
+        summary.title = (f"{n} rendered in {rendered_s:.0f} s, not built (--no-compile), under {out}")
+        emit(console, "table", [summary])
         return 0
     vendors = sorted({Target.named(t).vendor for t in targets})
     missing = {v: why for v in vendors if (why := library.toolchain_missing(v))}
@@ -891,15 +905,91 @@ def cmd_generate(args: argparse.Namespace) -> int:
         err.print(f"ckgen generate: not built for {', '.join(archs)} ({plural(skipped, 'instance')}): {what}",
                   markup=False)
     todo = [i for i in instances if i.target.vendor not in missing]
-    built = library.build(todo, args.jobs)
+    build_start = time.monotonic()
+    built = _build(library, todo, args.jobs)
+    build_s = time.monotonic() - build_start
     library.write_reports(built, out)
     failed = [b for b in built if not b.ok]
     for b in failed:
         err.print(f"FAILED {b.instance.target.arch} {b.instance.source.name}:\n{b.message}", markup=False)
+    for b in built:
+        per[b.instance.target.arch][1 if b.ok else 2] += 1
+    for t, row in per.items():
+        summary.add(t, row[0], row[1], row[2], row[0] - row[1] - row[2])
     skipped = len(instances) - len(todo)
+    summary.title = (f"{n} under {out} in {time.monotonic() - start:.0f} s (rendering {rendered_s:.0f} s, "
+                     f"building {build_s:.0f} s)")
+    emit(console, "table", [summary])
     console.print(f"built {len(built) - len(failed)} of {n}" + (f"; {len(failed)} failed" if failed else "")
                   + (f"; {skipped} not built (no toolchain)" if skipped else ""), markup=False)
     return 1 if failed or skipped else 0
+
+
+def _step_columns() -> tuple[Any, ...]:
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    return (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+def _render(library: Any, targets: list[str], ops: list[str] | None, db: Any, *, from_db: bool) -> list[Any]:
+    """library.plan with progress: a bar over every (target, problem) on a terminal, else a line
+    per rendered (target, op)."""
+    import time
+
+    from .ops import all_ops, get_op
+
+    specs = [get_op(o) for o in ops] if ops else all_ops()
+    sizes = {o.name: len(library.problems(o, db)) for o in specs}
+    steps = len(targets) * len(specs)
+    state = {"step": 0, "t0": time.monotonic()}
+    with _Steps(console, *_step_columns()) as bar:
+        task = bar.add_task("rendering", total=len(targets) * sum(sizes.values()))
+
+        def progress(arch: str, op: str, done: int, total: int) -> None:
+            if done == 0:
+                state["t0"] = time.monotonic()
+                bar.update(task, description=f"rendering {arch} {op}")
+                return
+            bar.update(task, advance=1)
+            if done == total:
+                state["step"] += 1
+                bar.done(f"{_counted(state['step'], steps)} rendered {arch} {op}: {plural(total, 'problem')} "
+                         f"({time.monotonic() - state['t0']:.1f} s)")
+
+        instances = library.plan(targets, ops, from_db=from_db, db=db, progress=progress)
+        bar.update(task, description="rendered")
+    return instances
+
+
+def _build(library: Any, todo: list[Any], jobs: int | None) -> list[Any]:
+    """library.build with progress: a bar over the instances on a terminal, else a line per
+    built (target, op)."""
+    import threading
+    import time
+
+    groups: dict[tuple[str, str], int] = {}
+    for i in todo:
+        groups[(i.target.arch, i.op)] = groups.get((i.target.arch, i.op), 0) + 1
+    seen: dict[tuple[str, str], list[int]] = {}
+    lock, t0, finished = threading.Lock(), time.monotonic(), [0]
+    with _Steps(console, *_step_columns()) as bar:
+        task = bar.add_task("building", total=len(todo))
+
+        def progress(b: Any) -> None:
+            key = (b.instance.target.arch, b.instance.op)
+            with lock:
+                bar.update(task, advance=1, description=f"building ({key[0]} {key[1]})")
+                got = seen.setdefault(key, [0, 0])
+                got[0 if b.ok else 1] += 1
+                if sum(got) == groups[key]:
+                    finished[0] += 1
+                    bar.done(f"{_counted(finished[0], len(groups))} built {key[0]} {key[1]}: {got[0]} of "
+                             f"{plural(groups[key], 'instance')}" + (f", {got[1]} failed" if got[1] else "")
+                             + f" (after {time.monotonic() - t0:.0f} s)")
+
+        built = library.build(todo, jobs, progress=progress)
+        bar.update(task, description="built")
+    return built
 
 
 # ------------------------------------------------------------------ retune, bench

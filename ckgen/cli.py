@@ -1090,10 +1090,10 @@ def _retune_sheet(info: Any) -> Sheet:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .opbench import OPS
 
-    ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(OPS)
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        raise UsageError(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
+    ops = _ops_option(args.ops) or list(OPS)
+    missing = [o for o in ops if o not in OPS]
+    if missing:
+        raise UsageError(f"--ops: ckgen bench has no suite for {', '.join(missing)}")
     db_path = _user_db(args) if getattr(args, "db", None) else None
     try:
         import torch  # noqa: F401 - the comparison runs PyTorch's ops
@@ -1246,7 +1246,7 @@ def parser() -> argparse.ArgumentParser:
     _common(rt, "ckgen retune", cmd_retune, fmt=True)
 
     b = sub.add_parser("bench", help="time every op's suite on this GPU against PyTorch eager and torch.compile")
-    b.add_argument("--ops", help="comma-separated ops (default: all six)")
+    b.add_argument("--ops", help="comma-separated ops (default: all eight)")
     b.add_argument("--out", help="folder for bench-<device>.md/.json/.png (default: $OUT or ./bench-results)")
     b.add_argument("--quick", action="store_true", help="every third problem of each suite")
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile")

@@ -249,7 +249,59 @@ def test_bench_without_gpu_says_why(inproc) -> None:
 
 def test_bench_rejects_unknown_ops(inproc) -> None:
     code, out, err = inproc("bench", "--ops", "groupnorm_fwd,conv2d")
-    assert code == 2 and "--ops: unknown ['conv2d']" in err
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--ops: unknown conv2d; choose from " in err and "groupnorm_bwd_gamma_beta" in err
+
+
+def test_bench_covers_every_op(inproc, monkeypatch) -> None:
+    """`ckgen bench` has a suite for every op, and --ops takes each of them (up to the GPU check)."""
+    import ckgen.target
+    from ckgen.opbench import OPS
+    from ckgen.ops import all_ops
+
+    assert sorted(OPS) == sorted(o.name for o in all_ops())
+    pytest.importorskip("torch")
+    monkeypatch.setattr(ckgen.target, "gpu_status", lambda: "faked: none here")
+    for op in OPS:
+        code, out, err = inproc("bench", "--ops", op)
+        assert code == 2 and err.strip() == "ckgen bench: no usable GPU (faked: none here)", (op, err)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_bench_eager_sides_on_cpu(layout: str) -> None:
+    """Each op's comparison: the eager side runs (on CPU here) and gives what the ckgen op gives
+    (dx alone, dgamma/dbeta alone, or all three for the GroupNorm backwards); the ckgen side is a
+    call of that op (GPU only)."""
+    torch = pytest.importorskip("torch")
+    import dataclasses
+
+    from ckgen.opbench import OPS, callables, suite
+
+    shapes = {"groupnorm": (2, 8, 6, 6), "maxpool2d": (2, 4, 9, 9), "avgpool2d": (2, 4, 9, 9)}
+    outputs = {"groupnorm_fwd": 1, "groupnorm_bwd": 3, "groupnorm_bwd_data": 1, "groupnorm_bwd_gamma_beta": 2}
+    for op in OPS:
+        p = suite(op, True)[0]
+        N, C, H, W = shapes[op.split("_")[0]]
+        fields = dict(N=N, C=C, H=H, W=W, dtype="fp32", layout=layout)
+        if op.startswith("groupnorm"):
+            fields["G"] = 4
+        p = dataclasses.replace(p, **fields)
+        ours, eager, what = callables(op, p, device="cpu")
+        if op == "groupnorm_bwd_gamma_beta" and layout == "nhwc":
+            # PyTorch's CPU channels-last GroupNorm backward crashes when dx is not asked for (the
+            # CUDA kernel checks for it); the GPU run takes this path
+            assert what == "autograd of F.group_norm (dgamma, dbeta)"
+            continue
+        got = eager()
+        got = [got] if isinstance(got, torch.Tensor) else [t for t in got if t is not None]
+        assert all(isinstance(t, torch.Tensor) and torch.isfinite(t).all() for t in got), op
+        if op in outputs:
+            assert len(got) == outputs[op], (op, what)
+        assert callable(ours) and what
+        with pytest.raises(TypeError, match="GPU"):  # the ckgen side: a GPU op, refused on CPU tensors
+            ours()
+    with pytest.raises(ValueError, match="conv2d"):
+        callables("conv2d", p, device="cpu")
 
 
 def test_bench_suites_and_explain_fields() -> None:

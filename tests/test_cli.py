@@ -13,7 +13,7 @@ import pytest
 
 from ckgen import db as dbmod
 from ckgen.instance import render_instance
-from ckgen.ops import get_op
+from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Target
 from ckgen.target import gpu_status
 
@@ -136,16 +136,33 @@ def test_tune_groups_not_dividing_channels(inproc) -> None:
 
 
 def test_list(inproc, tmp_path: Path, db_file: Path) -> None:
+    """`ckgen list`: the ops, their tunables and grids, never the DB's entries (`db show`'s)."""
     code, out, _ = inproc("list")
     assert code == 0
-    ops, entries = tsv(out)  # not a terminal: tab-separated, the ops then the DB entries
+    (ops,) = tsv(out)  # not a terminal: tab-separated; one table, whatever the DB holds
     by_op = {r["op"]: r for r in ops}
-    assert by_op["groupnorm_fwd"]["template"] == "groupnorm_fwd.cu.j2"
-    assert entries == []  # the isolated user DB is empty, and the tests see no shipped DB
-    code, out, _ = inproc("--db", str(db_file), "list")
-    assert code == 0 and len(tsv(out)[1]) == 2
+    assert set(by_op) == {o.name for o in all_ops()}
+    assert by_op["groupnorm_fwd"]["tunables"].startswith("threads, vec_bytes")
+    assert "sd15-unet" in by_op["groupnorm_fwd"]["grids"] and "resnet" in by_op["maxpool2d_fwd"]["grids"]
+    code, out2, _ = inproc("--db", str(db_file), "list")
+    assert code == 0 and out2 == out
     r = run_sub(tmp_path, "list")
-    assert r.returncode == 0 and "groupnorm_fwd" in r.stdout
+    assert r.returncode == 0 and "groupnorm_fwd" in r.stdout and "N=" not in r.stdout
+
+
+def test_list_one_op(inproc) -> None:
+    """`ckgen list --op NAME`: every tunable with its values and default, every grid with its
+    problem count and what it covers."""
+    code, out, _ = inproc("list", "--op", "maxpool2d_bwd")
+    assert code == 0
+    tunables, grids = tsv(out)
+    op = get_op("maxpool2d_bwd")
+    assert [r["tunable"] for r in tunables] == list(op.space.params)
+    algo = next(r for r in tunables if r["tunable"] == "algo")
+    assert algo["values"] == ", ".join(op.space.params["algo"]) and algo["default"] == op.space.default.as_dict()["algo"]
+    assert {r["grid"]: int(r["problems"]) for r in grids} == {g: len(op.grid_problems(g)) for g in op.grid_names()}
+    code, out, err = inproc("list", "--op", "conv2d")
+    assert code == 2 and out == "" and err.startswith("ckgen list: --op: unknown 'conv2d'; choose from ")
 
 
 def test_list_counts_the_default_problems_the_ops_tune(inproc) -> None:
@@ -207,7 +224,7 @@ def test_db_export_csv(inproc, tmp_path: Path, db_file: Path) -> None:
 def test_corrupt_db_is_reported_and_untouched(inproc, tmp_path: Path, corrupt: Path) -> None:
     before = corrupt.read_bytes()
     for argv in (["db", "show", "--db", str(corrupt)], ["db", "export", "--db", str(corrupt)],
-                 ["--db", str(corrupt), "list"]):
+                 ["--db", str(corrupt), "explain", "groupnorm_fwd", "--arch", "sm_90"]):
         code, out, err = inproc(*argv)
         assert code == 2, argv
         assert str(corrupt) in err, err
@@ -355,7 +372,7 @@ def _hostile_db(path: Path) -> dbmod.Entry:
     return e
 
 
-@pytest.mark.parametrize("argv", [["db", "show"], ["list"], ["db", "where"]])
+@pytest.mark.parametrize("argv", [["db", "show"], ["db", "show", "--op", "groupnorm_fwd"], ["db", "where"]])
 @pytest.mark.parametrize("fmt", ["table", "tsv"])
 def test_db_strings_are_shown_escaped_not_obeyed(inproc, tmp_path: Path, argv, fmt) -> None:
     path = tmp_path / "hostile.yaml"

@@ -102,7 +102,8 @@ def runtime_problem(error: Exception, runtime: Any) -> str:
             return f"no NVIDIA driver/GPU found: {DRIVER_LIBRARY} loads but reports no driver"
         if status == _OLD_DRIVER and 0 < driver < rt:
             return (f"the NVIDIA driver is too old: it supports CUDA {_cuda_version(driver)}, CuPy's runtime is "
-                    f"CUDA {_cuda_version(rt)}; update the driver, or {CUPY_HINT.replace('pip install ', 'install ')}")
+                    f"CUDA {_cuda_version(rt)}; update the driver, or install the CuPy for it "
+                    f"(pip install 'ckgen[cuda{driver // 1000}]')")
         if status == _NO_DEVICE:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             return ("no NVIDIA driver/GPU found: the NVIDIA driver"

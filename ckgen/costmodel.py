@@ -298,7 +298,8 @@ def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> 
     a round per RR channels, each ceil(channel / (CC x ITEMS)) steps long, where a row is as
     narrow as sweeps a channel in one step (CC x ITEMS >= H*W/vec) since kernel version 2, and was as
     wide as the channel (CC >= H*W/vec, up to the block) before (`narrow_rows=False`: records
-    of a kernel version before NARROW_ROWS_FROM_KERNEL_VERSION ran that). Exact where every block's share is whole channels;
+    of a kernel version before NARROW_ROWS_FROM_KERNEL_VERSION ran that). Exact where every
+    block's share is whole channels;
     where a share straddles channels each piece is counted as a whole channel's steps, an upper
     bound within 2x of the walk (tests/test_costmodel_chain.py). Pooling: 0 (no chain term)."""
     name = op.name

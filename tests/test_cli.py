@@ -159,7 +159,8 @@ def test_list_one_op(inproc) -> None:
     op = get_op("maxpool2d_bwd")
     assert [r["tunable"] for r in tunables] == list(op.space.params)
     algo = next(r for r in tunables if r["tunable"] == "algo")
-    assert algo["values"] == ", ".join(op.space.params["algo"]) and algo["default"] == op.space.default.as_dict()["algo"]
+    assert algo["values"] == ", ".join(op.space.params["algo"])
+    assert algo["default"] == op.space.default.as_dict()["algo"]
     assert {r["grid"]: int(r["problems"]) for r in grids} == {g: len(op.grid_problems(g)) for g in op.grid_names()}
     code, out, err = inproc("list", "--op", "conv2d")
     assert code == 2 and out == "" and err.startswith("ckgen list: --op: unknown 'conv2d'; choose from ")

@@ -113,8 +113,8 @@ def test_explain_at_any_width(run, wide_db: Path, width: int) -> None:
 def test_tune_and_retune_results_at_any_width(run, fake_gpu, tmp_path: Path, width: int) -> None:  # noqa: F811
     db = tmp_path / "t.yaml"
     code, out, err = run("tune", LONG_OP.name, "--shape", "16,1280,128,128", "--groups", "32", "--layout", "nhwc",
-                         "--activation", "swish", "--dtype", "bf16", "--dtype", "fp16", "--trials", "3", "--db", str(db),
-                         "--format", "table", width=width)
+                         "--activation", "swish", "--dtype", "bf16", "--dtype", "fp16", "--trials", "3",
+                         "--db", str(db), "--format", "table", width=width)
     assert code == 0, err
     entries = dbmod.InstanceDB.load(db).entries
     table = table_of(out, f"{LONG_OP.name} on Fake GPU")
@@ -260,7 +260,8 @@ def test_explain_from_the_command_line(run, tmp_path: Path, monkeypatch) -> None
     assert rows[1]["source"] in ("nearest", "default", "model")
     code, out, _ = run("explain", "maxpool2d_fwd", "--arch", "sm_80", "--format", "json")
     doc = json.loads(out)
-    assert code == 0 and doc["arch"] == "sm_80" and len(doc["choices"]) == len(get_op("maxpool2d_fwd").default_problems())
+    assert code == 0 and doc["arch"] == "sm_80"
+    assert len(doc["choices"]) == len(get_op("maxpool2d_fwd").default_problems())
     code, out, _ = run("explain", "avgpool2d_fwd", "--grid", "resnet", "--dtype", "fp16", "--arch", "sm_90")
     assert code == 0 and len(tsv(out)[0]) == len(get_op("avgpool2d_fwd").grid_problems("resnet", ["fp16"]))
 
@@ -290,7 +291,8 @@ def test_explain_bad_options_are_one_line(run, monkeypatch, argv, option) -> Non
 
 def test_tune_progress_in_a_log_is_one_line_per_problem(run, fake_gpu, tmp_path: Path) -> None:  # noqa: F811
     argv = ["tune", LONG_OP.name, "--shape", "16,1280,128,128", "--groups", "32", "--layout", "nhwc",
-            "--dtype", "bf16", "--dtype", "fp16", "--trials", "3", "--db", str(tmp_path / "t.yaml"), "--format", "table"]
+            "--dtype", "bf16", "--dtype", "fp16", "--trials", "3", "--db", str(tmp_path / "t.yaml"),
+            "--format", "table"]
     code, out, err = run(*argv, width=80)
     assert code == 0, err
     keys = [p.key() for p in LONG_OP.problems_from_cli(cli.parser().parse_args(argv))]

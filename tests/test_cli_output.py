@@ -326,7 +326,8 @@ def test_generate_layers_the_user_db_over_the_shipped_one(run, tmp_path: Path, m
     manifest = (out / "sm_90" / "groupnorm_fwd" / "manifest.yaml").read_text()
     for e in make_entries(2):  # the shipped entry's problem and the user entry's problem
         assert e.problem in manifest
-    assert any(ln.startswith(("wrote 1 instance for sm_90", "wrote 2 instances for sm_90")) for ln in stdout.splitlines())
+    assert any(ln.startswith(("wrote 1 instance for sm_90", "wrote 2 instances for sm_90"))
+               for ln in stdout.splitlines())
 
 
 def test_generate_with_ops_rewrites_only_those_ops(run, tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """How the CLI prints its tables, in one of three formats (`--format`):
 
-- `table`: rich tables for a person at a terminal. Identifiers (ops, problem keys, instance
-  names, devices) are never cut: on a narrow terminal the long ones (problem keys, instance
-  names) go on lines of their own under their row, whole.
+- `table`: rich tables for a person at a terminal. Identifiers (ops, archs, problem keys,
+  instance names, paths) and numbers are never cut nor wrapped, at any width: text columns wrap
+  between words; on a narrower terminal the long identifiers (problem keys, instance names,
+  paths), then the row's other columns (text first), go on lines of their own under their row,
+  whole (`to_rich`).
 - `tsv`: one header line of column keys, then one line per row, tab-separated; several tables
   are separated by one empty line. The default when stdout is not a terminal (`ckgen list | cat`).
 - `json`: one JSON document, `{table name: [row objects], ...}`, with numbers as numbers.

@@ -1,11 +1,12 @@
-"""`ckgen tune | retune | explain | generate | bench | list | db show | db export | db where | db pull | db merge`.
+"""`ckgen tune | retune | explain | generate | bench | list | db show | db export | db where |
+db pull | db merge`.
 
 Every option is checked before anything runs (and before the GPU check): a bad one ends the
 command with one line naming it, exit code 2, never a traceback. Tables print as `--format
 table|tsv|json` (ckgen.output): a terminal gets a table whose identifiers are never cut, a pipe
 gets tab-separated text. Progress is bars on a terminal and one line per finished step elsewhere
-(`_Steps`). `--db` names the user DB everywhere: it is layered over the
-shipped DB by every command, as the dispatcher layers them."""
+(`_Steps`). `--db` names the user DB everywhere: it is layered over the shipped DB by every
+command, as the dispatcher layers them."""
 from __future__ import annotations
 
 import argparse

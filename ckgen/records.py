@@ -289,7 +289,7 @@ def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
         p = op.problem_from_key(e.problem)
         date = e.date or "2025-01-01T00:00:00+00:00"
         # a re-timed entry's time was measured when it was re-timed (tools/retime-entries.py): the
-        # winner's record says so (the cost model counts a record by the templates of its date);
+        # winner's record says so (its kernel_version follows from that date);
         # its default time is the tuning run's
         retimed = e.provenance_dict().get("retimed")
         out.append(_legacy(make_record(op, p, target, e.device, Config.of(e.config_dict()), ok=True,

@@ -25,11 +25,11 @@ LONG_OP = get_op("groupnorm_bwd_gamma_beta")  # the longest op name
 
 
 def long_entry() -> dbmod.Entry:
-    """An entry of the longest op name, problem key and device name the shipped DB has."""
+    """An entry of the longest op name, a long problem key and a long device name."""
     t = Target.named("sm_90")
     p = LONG_OP.parse_problem(N=16, C=1280, H=128, W=128, G=32, dtype="bf16", layout="nhwc", activation="swish")
     src = render_instance(LONG_OP, p, LONG_OP.space.default, t)
-    return dbmod.Entry(op=LONG_OP.name, vendor="cuda", arch="sm_90", device="NVIDIA H100 80GB HBM3",
+    return dbmod.Entry(op=LONG_OP.name, vendor="cuda", arch="sm_90", device="Test GPU of a long name",
                        problem=p.key(), config=LONG_OP.space.default.items, instance=src.name,
                        source_sha256=src.sha256, time_us=123.4, gbps=2345.0, default_time_us=150.0)
 

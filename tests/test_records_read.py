@@ -52,7 +52,8 @@ def test_legacy_records_are_migrated_once_by_their_date(tmp_path):
     old, new, undated, says = (json.loads(_line(n)) for n in (1, 2, 3, 4))
     for rec in (old, new, undated):
         del rec["kernel_version"]
-    old["date"], new["date"], says["date"] = "2000-01-01T00:00:00+00:00", since + ":00+00:00", "2000-01-01"
+    before = f"{int(since[:4]) - 1}{since[4:]}"  # a year before the rule's time
+    old["date"], new["date"], says["date"] = before, since + ":00+00:00", before
     del undated["date"]
     says["kernel_version"] = 2
     path = tmp_path / "legacy.jsonl"

@@ -1,13 +1,16 @@
-"""`ckgen tune | retune | generate | bench | list | db show | db export | db where | db pull | db merge`.
+"""`ckgen tune | retune | explain | generate | bench | list | db show | db export | db where |
+db pull | db merge`.
 
 Every option is checked before anything runs (and before the GPU check): a bad one ends the
 command with one line naming it, exit code 2, never a traceback. Tables print as `--format
-table|tsv|json` (ckgen.output): a terminal gets a table whose identifiers fold rather than being
-cut, a pipe gets tab-separated text. `--db` names the user DB everywhere: it is layered over the
-shipped DB by every command, as the dispatcher layers them."""
+table|tsv|json` (ckgen.output): a terminal gets a table whose identifiers are never cut, a pipe
+gets tab-separated text. Progress is bars on a terminal and one line per finished step elsewhere
+(`_Steps`). `--db` names the user DB everywhere: it is layered over the shipped DB by every
+command, as the dispatcher layers them."""
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -155,6 +158,44 @@ def _no_gpu(why: str) -> UsageError:
     return UsageError(f"no usable GPU ({why})")
 
 
+class _Steps:
+    """Progress over a run's steps on `out`: rich bars on a terminal; anywhere else (a log file,
+    a pipe) no bars, but one line per finished step (`done`), whole and never wrapped, so that a
+    log holds each step once, in order, greppable."""
+
+    def __init__(self, out: Console, *columns: Any) -> None:
+        from rich.progress import Progress
+
+        self.out = out
+        self.live = out.is_terminal
+        self.bar = Progress(*columns, console=out) if self.live else None
+
+    def __enter__(self) -> "_Steps":
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def add_task(self, description: str, **kw: Any) -> Any:
+        return self.bar.add_task(description, **kw) if self.bar is not None else None
+
+    def update(self, task: Any, **kw: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(task, **kw)
+
+    def done(self, line: str) -> None:
+        """A finished step: its line when there are no bars (the bars show it otherwise)."""
+        if self.bar is None:
+            self.out.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _counted(k: int, n: int) -> str:
+    return f"[{k:>{len(str(n))}}/{n}]"
+
+
 # ------------------------------------------------------------------ tune
 
 
@@ -184,7 +225,8 @@ def _check_problem_options(op: Any, args: argparse.Namespace) -> None:
             takers = [o.name for o in all_ops() if dest in o.tune_options]
             raise UsageError(f"{flag}: {op.name} takes no {flag} (it is an option of {', '.join(takers)})")
         if not args.shape and dest != "activation":
-            raise UsageError(f"{flag}: needs --shape (without --shape, tune runs the default problems of {op.name})")
+            raise UsageError(f"{flag}: needs --shape (without --shape, {args.cmd} takes the default problems of "
+                             f"{op.name})")
     if getattr(args, "grid", None) is not None:
         if args.shape:
             raise UsageError("--grid: give either --grid or --shape, not both")
@@ -273,7 +315,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         raise _no_gpu(why)
     import time
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
     from . import db as dbmod
     from . import settings
@@ -298,19 +340,21 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.table import Column
 
     key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))  # a problem key, whole
-    with Progress(key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("best {task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
-        for p in problems:
+    with _Steps(info_out, key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("best {task.fields[best]}"), TimeElapsedColumn()) as bar:
+        for k, p in enumerate(problems, 1):
             left = None if args.total_timeout is None else args.total_timeout - (time.monotonic() - start)
             if left is not None and left <= 0:
                 info_out.print("[yellow]total time budget spent; remaining problems not tuned[/]")
                 break
             timeout = min(x for x in (args.timeout, left) if x is not None) if (args.timeout or left) else None
             task = bar.add_task(p.key(), total=args.trials, best="-")
+            step = f"{_counted(k, len(problems))} {p.key()}"
 
             def progress(done: int, total: int, best: float, task: Any = task) -> None:
                 bar.update(task, completed=done, best=f"{best:.1f} us" if best < float("inf") else "-")
 
+            t0 = time.monotonic()
             try:
                 r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
                                  seed=args.seed, sampler=args.sampler, on_trial=progress)
@@ -318,12 +362,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
                 raise _storage_error(e, storage) from None
             except RuntimeError as e:
                 err.print(f"{p.key()}: {e}", markup=False)
+                bar.done(f"{step}: failed ({time.monotonic() - t0:.0f} s)")
                 continue
             try:
                 dbmod.save_entries(db_path, [db_entry(r, info)])
             except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
                 err.print(f"{p.key()}: {e}", markup=False)
+                bar.done(f"{step}: not saved ({time.monotonic() - t0:.0f} s)")
                 continue
+            bar.done(f"{step}: {r.best.instance} {r.best.timing.median_us:.1f} us "
+                     f"({plural(r.trials, 'trial')}, {time.monotonic() - t0:.0f} s)")
             results.append(r)
             sheet.add(p.key(), r.best.instance, r.best.timing.median_us, r.best.timing.spread, r.gbps,
                       r.efficiency, r.speedup_vs_default, len(r.failures))
@@ -382,7 +430,7 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     """`ckgen tune ... --workers N|auto`: worker processes (ckgen/workers.py), one bar per worker
     and a total, then the table of every problem's result (from the storage: those another
     machine's workers finished too)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
     from . import settings, workers as wk
@@ -407,8 +455,9 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))
     done: dict[str, int] = {}
     stuck: set[int] = set()  # workers stopped because they finished but did not exit
-    with Progress(key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[best]}"), TimeElapsedColumn(), console=info_out) as bar:
+    finished: set[str] = set()  # the problems whose result came
+    with _Steps(info_out, key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[best]}"), TimeElapsedColumn()) as bar:
         total = bar.add_task(f"total ({plural(len(problems), 'problem')})", total=len(problems) * args.trials, best="")
         tasks = [bar.add_task(f"worker {i}: starting", total=args.trials, best="") for i in range(n)]
 
@@ -423,8 +472,13 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
                 done[key] = max(done.get(key, 0), run_done)
                 bar.update(total, completed=sum(done.values()))
             elif kind == "result":
-                done[ev[2]] = max(done.get(ev[2], 0), ev[3].get("trials", 0))
+                r = ev[3]
+                done[ev[2]] = max(done.get(ev[2], 0), r.get("trials", 0))
                 bar.update(total, completed=sum(done.values()))
+                finished.add(ev[2])
+                what = (f"failed: {r['error']}" if "error" in r else
+                        f"{r.get('instance')} {r.get('time_us', 0.0):.1f} us ({plural(r.get('trials', 0), 'trial')})")
+                bar.done(f"{_counted(len(finished), len(problems))} {ev[2]}: worker {i}: {what}")
             elif kind == "exit" and ev[2] != 0 and i not in stuck:
                 why = wk.exit_reason(ev[2])
                 info_out.print(f"[yellow]worker {i} died ({why}); its running trials are failed after "
@@ -472,6 +526,63 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
     return 0 if ok == want else 1
 
 
+# ------------------------------------------------------------------ explain
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """`ckgen explain OP [problem options] [--arch ARCH]`: ckgen.explain for each problem, as a
+    table (problem, instance, where the choice came from, why). Needs a GPU only without --arch."""
+    from . import settings
+    from .dispatch import dispatcher
+    from .ops import get_op
+    from .target import gpu_status
+    from .types import Target
+
+    op = get_op(args.op)  # argparse checked the name
+    _check_problem_options(op, args)
+    target = None
+    if args.arch is not None:
+        try:
+            target = Target.named(args.arch)
+        except ValueError as e:
+            raise UsageError(f"--arch: {str(e).removeprefix('target: ')}") from None
+    problems = _problems(op, args)
+    db_path = _user_db(args)
+    _layers(args)  # a corrupt DB file: one line, exit 2 (the dispatcher would only warn)
+    if target is None:
+        why = gpu_status()
+        if why:
+            raise UsageError(f"no usable GPU ({why}); to explain a problem without a GPU, pass --arch "
+                             "(e.g. --arch sm_90)")
+        from .target import current_target
+
+        target = current_target()
+    if getattr(args, "db", None):  # the user DB the dispatcher reads
+        os.environ[settings.ENV_DB] = str(db_path)
+        dispatcher().reload()
+    fmt = resolve(args.format, console)
+    sheet = Sheet("choices", f"{op.name} on {target.arch}: the instance each problem's call would use", (
+        Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True), Col("source"),
+        Col("reason", fmt=printable)))
+    failed = 0
+    log = logging.getLogger("ckgen")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the dispatcher's once-per-problem notice: the table says it
+    try:
+        for p in problems:
+            try:
+                c = dispatcher().choose(op, p, target)[0]
+            except ValueError as e:  # no config of the space can run it: said, and the others go on
+                err.print(f"{p.key()}: {e}", markup=False)
+                failed += 1
+                continue
+            sheet.add(c.problem, c.instance, c.source, c.reason)
+    finally:
+        log.setLevel(level)
+    emit(console, fmt, [sheet], {"op": op.name, "arch": target.arch})
+    return 1 if failed else 0
+
+
 # ------------------------------------------------------------------ list, db show / export / where
 
 
@@ -488,26 +599,58 @@ def _entries_sheet(user: Any, layered: Any, op: str | None = None) -> Sheet:
     return sheet
 
 
+def _op_option(name: str | None, flag: str = "--op") -> Any:
+    """The op named by `flag` (None: none given); an unknown name is a usage error listing them."""
+    from .ops import all_ops, get_op
+
+    if name is None:
+        return None
+    known = [o.name for o in all_ops()]
+    if name not in known:
+        raise UsageError(f"{flag}: unknown {name!r}; choose from {', '.join(known)}")
+    return get_op(name)
+
+
+def _value(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
+    """The ops: their tunables and problem grids (`--op NAME`: one op, every tunable's values and
+    every grid's size). The DB's entries are `ckgen db show`'s."""
     from .ops import all_ops
 
-    _, user, _, layered = _layers(args)
-    ops = Sheet("ops", "ops", (Col("op", ident=True), Col("template", ident=True),
-                               Col("tunables", fmt=", ".join), Col("default_problems", "default problems", number=True),
-                               Col("grids", "grids (tune --grid)", fmt=", ".join)))
-    for op in all_ops():
-        ops.add(op.name, op.template, list(op.space.params), len(op.default_problems()), op.grid_names())
-    emit(console, resolve(args.format, console), [ops, _entries_sheet(user, layered)])
+    op = _op_option(args.op)
+    _user_db(args)  # read by no list, but checked as every command checks it
+    fmt = resolve(args.format, console)
+    if op is None:
+        sheet = Sheet("ops", "ops (one in full: ckgen list --op NAME; DB entries: ckgen db show)", (
+            Col("op", ident=True), Col("tunables", fmt=", ".join),
+            Col("default_problems", "default problems", number=True),
+            Col("grids", "grids (tune --grid)", fmt=", ".join)))
+        for o in all_ops():
+            sheet.add(o.name, list(o.space.params), len(o.default_problems()), o.grid_names())
+        emit(console, fmt, [sheet])
+        return 0
+    space = op.space
+    tunables = Sheet("tunables", f"tunables of {op.name} (template {op.template}; tuning_spaces/{op.name}.yaml: "
+                                 f"{plural(len(space.constraints), 'constraint')})", (
+        Col("tunable", ident=True), Col("kind"), Col("values", fmt=lambda vs: ", ".join(map(_value, vs))),
+        Col("default", ident=True, fmt=_value)))
+    for kind, params in (("tile", space.tile), ("algorithm", space.algo)):
+        for name, values in params:
+            tunables.add(name, kind, list(values), space.default.as_dict().get(name))
+    grids = Sheet("grids", f"problem grids of {op.name} (ckgen tune {op.name} --grid NAME --list: a grid's problems)",
+                  (Col("grid", ident=True), Col("problems", number=True), Col("about")))
+    for name in op.grid_names():
+        grids.add(name, len(op.grid_problems(name)), op.grid_about(name))
+    emit(console, fmt, [tunables, grids], {"op": op.name, "template": op.template})
     return 0
 
 
 def cmd_db_show(args: argparse.Namespace) -> int:
-    from .ops import all_ops
-
     op = args.op
-    known = [o.name for o in all_ops()]
-    if op is not None and op not in known:
-        raise UsageError(f"--op: unknown {op!r}; choose from {', '.join(known)}")
+    _op_option(op)
     _, user, _, layered = _layers(args)
     emit(console, resolve(args.format, console), [_entries_sheet(user, layered, op)])
     return 0
@@ -702,8 +845,10 @@ def _check_out_folder(out: Path, check: bool) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import tempfile
+    import time
 
     from . import library
+    from .ops import get_op
     from .types import Target
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
@@ -718,7 +863,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _check_out_folder(out, args.check)  # before the plan, which takes a while
     _, _, _, layered = _layers(args)  # the user DB over the shipped one, as every command reads them
-    instances = library.plan(targets, ops, from_db=not args.defaults, db=layered)
+    start = time.monotonic()
+    instances = _render(library, targets, ops, layered, from_db=not args.defaults)
+    rendered_s = time.monotonic() - start
     n = plural(len(instances), "instance")
     if args.check:  # regenerate into a temp folder and compare with `out`
         with tempfile.TemporaryDirectory() as d:
@@ -738,7 +885,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: {e}") from None
     library.write(instances, out)
     console.print(f"wrote {n} for {', '.join(targets)} under {out}", markup=False)
+    summary = Sheet("targets", "", (Col("target", ident=True), Col("instances", number=True),
+                                    Col("built", number=True), Col("failed", number=True),
+                                    Col("not_built", "not built", number=True)))
+    per = {t: [0, 0, 0, 0] for t in targets}  # instances, built, failed, not built
+    for i in instances:
+        per[i.target.arch][0] += 1
     if args.no_compile:
+        for t, row in per.items():
+            summary.add(t, row[0], 0, 0, row[0])
+        summary.title = (f"{n} rendered in {rendered_s:.0f} s, not built (--no-compile), under {out}")
+        emit(console, "table", [summary])
         return 0
     vendors = sorted({Target.named(t).vendor for t in targets})
     missing = {v: why for v in vendors if (why := library.toolchain_missing(v))}
@@ -750,15 +907,91 @@ def cmd_generate(args: argparse.Namespace) -> int:
         err.print(f"ckgen generate: not built for {', '.join(archs)} ({plural(skipped, 'instance')}): {what}",
                   markup=False)
     todo = [i for i in instances if i.target.vendor not in missing]
-    built = library.build(todo, args.jobs)
+    build_start = time.monotonic()
+    built = _build(library, todo, args.jobs)
+    build_s = time.monotonic() - build_start
     library.write_reports(built, out)
     failed = [b for b in built if not b.ok]
     for b in failed:
         err.print(f"FAILED {b.instance.target.arch} {b.instance.source.name}:\n{b.message}", markup=False)
+    for b in built:
+        per[b.instance.target.arch][1 if b.ok else 2] += 1
+    for t, row in per.items():
+        summary.add(t, row[0], row[1], row[2], row[0] - row[1] - row[2])
     skipped = len(instances) - len(todo)
+    summary.title = (f"{n} under {out} in {time.monotonic() - start:.0f} s (rendering {rendered_s:.0f} s, "
+                     f"building {build_s:.0f} s)")
+    emit(console, "table", [summary])
     console.print(f"built {len(built) - len(failed)} of {n}" + (f"; {len(failed)} failed" if failed else "")
                   + (f"; {skipped} not built (no toolchain)" if skipped else ""), markup=False)
     return 1 if failed or skipped else 0
+
+
+def _step_columns() -> tuple[Any, ...]:
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    return (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+def _render(library: Any, targets: list[str], ops: list[str] | None, db: Any, *, from_db: bool) -> list[Any]:
+    """library.plan with progress: a bar over every (target, problem) on a terminal, else a line
+    per rendered (target, op)."""
+    import time
+
+    from .ops import all_ops, get_op
+
+    specs = [get_op(o) for o in ops] if ops else all_ops()
+    sizes = {o.name: len(library.problems(o, db)) for o in specs}
+    steps = len(targets) * len(specs)
+    state = {"step": 0, "t0": time.monotonic()}
+    with _Steps(console, *_step_columns()) as bar:
+        task = bar.add_task("rendering", total=len(targets) * sum(sizes.values()))
+
+        def progress(arch: str, op: str, done: int, total: int) -> None:
+            if done == 0:
+                state["t0"] = time.monotonic()
+                bar.update(task, description=f"rendering {arch} {op}")
+                return
+            bar.update(task, advance=1)
+            if done == total:
+                state["step"] += 1
+                bar.done(f"{_counted(state['step'], steps)} rendered {arch} {op}: {plural(total, 'problem')} "
+                         f"({time.monotonic() - state['t0']:.1f} s)")
+
+        instances = library.plan(targets, ops, from_db=from_db, db=db, progress=progress)
+        bar.update(task, description="rendered")
+    return instances
+
+
+def _build(library: Any, todo: list[Any], jobs: int | None) -> list[Any]:
+    """library.build with progress: a bar over the instances on a terminal, else a line per
+    built (target, op)."""
+    import threading
+    import time
+
+    groups: dict[tuple[str, str], int] = {}
+    for i in todo:
+        groups[(i.target.arch, i.op)] = groups.get((i.target.arch, i.op), 0) + 1
+    seen: dict[tuple[str, str], list[int]] = {}
+    lock, t0, finished = threading.Lock(), time.monotonic(), [0]
+    with _Steps(console, *_step_columns()) as bar:
+        task = bar.add_task("building", total=len(todo))
+
+        def progress(b: Any) -> None:
+            key = (b.instance.target.arch, b.instance.op)
+            with lock:
+                bar.update(task, advance=1, description=f"building ({key[0]} {key[1]})")
+                got = seen.setdefault(key, [0, 0])
+                got[0 if b.ok else 1] += 1
+                if sum(got) == groups[key]:
+                    finished[0] += 1
+                    bar.done(f"{_counted(finished[0], len(groups))} built {key[0]} {key[1]}: {got[0]} of "
+                             f"{plural(groups[key], 'instance')}" + (f", {got[1]} failed" if got[1] else "")
+                             + f" (after {time.monotonic() - t0:.0f} s)")
+
+        built = library.build(todo, jobs, progress=progress)
+        bar.update(task, description="built")
+    return built
 
 
 # ------------------------------------------------------------------ retune, bench
@@ -800,32 +1033,49 @@ def cmd_retune(args: argparse.Namespace) -> int:
                    f"from other archs' winners; DB {db_path}", markup=False)
     sheet = _retune_sheet(info)
     start, done = time.monotonic(), 0
-    for item in plan:
-        if args.total_timeout is not None and time.monotonic() - start > args.total_timeout:
-            info_out.print("[yellow]total time budget spent; remaining problems not retuned[/]")
-            break
-        op = get_op(item.op)
-        problem = op.problem_from_key(item.problem)
-        ok = op.validate(problem, item.config, info.target)
-        try:
-            r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
-                             storage=args.storage or settings.study_storage_url(), seed=args.seed,
-                             sampler=args.sampler, warm=(item.config,) if ok else ())
-        except StudyStorageError as e:
-            raise _storage_error(e, args.storage or settings.study_storage_url()) from None
-        except RuntimeError as e:
-            err.print(f"{item.problem}: {e}", markup=False)
-            continue
-        try:
-            dbmod.save_entries(db_path, [db_entry(r, info)])
-        except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
-            err.print(f"{item.problem}: {e}", markup=False)
-            continue
-        done += 1
-        old = r.warm[0].timing.median_us if r.warm else None
-        sheet.add(item.op, item.problem, item.from_arch,
-                  old if old else (f"invalid here ({ok.reason})" if not ok else "failed"),
-                  r.best.instance, r.best.timing.median_us, old / r.best.timing.median_us if old else None)
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    key_col = TextColumn("{task.description}", table_column=Column(overflow="fold"))  # op and problem key, whole
+    with _Steps(info_out, key_col, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("best {task.fields[best]}"), TimeElapsedColumn()) as bar:
+        for k, item in enumerate(plan, 1):
+            if args.total_timeout is not None and time.monotonic() - start > args.total_timeout:
+                info_out.print("[yellow]total time budget spent; remaining problems not retuned[/]")
+                break
+            op = get_op(item.op)
+            problem = op.problem_from_key(item.problem)
+            ok = op.validate(problem, item.config, info.target)
+            task = bar.add_task(f"{item.op} {item.problem}", total=args.trials, best="-")
+            step = f"{_counted(k, len(plan))} {item.op} {item.problem}"
+
+            def progress(n: int, total: int, best: float, task: Any = task) -> None:
+                bar.update(task, completed=n, best=f"{best:.1f} us" if best < float("inf") else "-")
+
+            t0 = time.monotonic()
+            try:
+                r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
+                                 storage=args.storage or settings.study_storage_url(), seed=args.seed,
+                                 sampler=args.sampler, warm=(item.config,) if ok else (), on_trial=progress)
+            except StudyStorageError as e:
+                raise _storage_error(e, args.storage or settings.study_storage_url()) from None
+            except RuntimeError as e:
+                err.print(f"{item.problem}: {e}", markup=False)
+                bar.done(f"{step}: failed ({time.monotonic() - t0:.0f} s)")
+                continue
+            try:
+                dbmod.save_entries(db_path, [db_entry(r, info)])
+            except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+                err.print(f"{item.problem}: {e}", markup=False)
+                bar.done(f"{step}: not saved ({time.monotonic() - t0:.0f} s)")
+                continue
+            done += 1
+            bar.done(f"{step}: {r.best.instance} {r.best.timing.median_us:.1f} us "
+                     f"({plural(r.trials, 'trial')}, {time.monotonic() - t0:.0f} s)")
+            old = r.warm[0].timing.median_us if r.warm else None
+            sheet.add(item.op, item.problem, item.from_arch,
+                      old if old else (f"invalid here ({ok.reason})" if not ok else "failed"),
+                      r.best.instance, r.best.timing.median_us, old / r.best.timing.median_us if old else None)
     emit(console, fmt, [sheet], {"device": info.name, "arch": info.target.arch, "db": str(db_path)})
     info_out.print(f"wrote {plural(done, 'entry', 'entries')} for {info.target.arch} to {db_path}", markup=False)
     return 0 if done == len(plan) else 1
@@ -842,10 +1092,10 @@ def _retune_sheet(info: Any) -> Sheet:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .opbench import OPS
 
-    ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(OPS)
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        raise UsageError(f"--ops: unknown {bad}; choose from {', '.join(OPS)}")
+    ops = _ops_option(args.ops) or list(OPS)
+    missing = [o for o in ops if o not in OPS]
+    if missing:
+        raise UsageError(f"--ops: ckgen bench has no suite for {', '.join(missing)}")
     db_path = _user_db(args) if getattr(args, "db", None) else None
     try:
         import torch  # noqa: F401 - the comparison runs PyTorch's ops
@@ -901,6 +1151,39 @@ def _search_options(p: argparse.ArgumentParser) -> None:
                         "see docs/architecture.md)")
 
 
+def _problem_options(p: argparse.ArgumentParser) -> None:
+    """The problem options of `ckgen tune` (and `ckgen explain`, which takes the same problems):
+    --shape, --grid, --dtype, --layout and each op's own (PROBLEM_FLAGS)."""
+    p.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
+    p.add_argument("--grid", metavar="NAME",
+                   help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml; e.g. sd15-unet, "
+                        "sdxl-unet, sd-vae for GroupNorm, resnet, vgg for pooling; `ckgen list --op OP` shows them; "
+                        "default: the default problems)")
+    p.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"],
+                   help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
+    p.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
+                   help="repeatable (default: nchw with --shape, else the default problems' layouts)")
+    gn = p.add_argument_group("GroupNorm problem", "for groupnorm_*")
+    gn.add_argument("--groups", type=_positive_int, help="G, dividing C (required with --shape; no default)")
+    gn.add_argument("--activation", choices=["none", "swish"],
+                    help="none or swish (default: none with --shape, else the default problems' activations)")
+    pool = p.add_argument_group("pooling problem", "with --shape, for maxpool2d_* / avgpool2d_*")
+    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW (required with --shape; no default)")
+    pool.add_argument("--stride", type=_csv_ints, help="stride: S or SH,SW (default: the kernel)")
+    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default: 0)")
+    pool.add_argument("--dilation", type=_csv_ints, help="max pooling: D or DH,DW (default: 1)")
+    pool.add_argument("--ceil-mode", action="store_true", default=None,
+                      help="ceil instead of floor for the output size (default: floor)")
+    pool.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=None,
+                      help="avg pooling: count the padding in the divisor (default: yes)")
+    pool.add_argument("--divisor-override", type=_positive_int,
+                      help="avg pooling: divide by this positive integer instead (default: none)")
+    pool.add_argument("--return-indices", action="store_true", default=None,
+                      help="maxpool2d_fwd: also write int64 indices (default: no)")
+    pool.add_argument("--indices", choices=["stored", "recompute"],
+                      help="maxpool2d_bwd: read stored int64 indices or recompute the argmax from x (default: stored)")
+
+
 def parser() -> argparse.ArgumentParser:
     from .ops import all_ops
 
@@ -918,11 +1201,7 @@ def parser() -> argparse.ArgumentParser:
                     "Without --shape, the op's default problems (its tuning space's list, for every dtype and "
                     "layout\nunless --dtype/--layout narrow it). With --shape, one problem per dtype x layout.")
     t.add_argument("op", metavar="OP", choices=op_names, help=f"the op to tune: one of {', '.join(op_names)}")
-    t.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
-    t.add_argument("--grid", metavar="NAME",
-                   help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml; e.g. sd15-unet, "
-                        "sdxl-unet, sd-vae for GroupNorm, resnet, vgg for pooling; --list shows them; "
-                        "default: the default problems)")
+    _problem_options(t)
     t.add_argument("--list", action="store_true",
                    help="tune nothing: list the op's grids, or with --grid/--shape the problems this command "
                         "would tune (no GPU needed; default: off)")
@@ -934,31 +1213,20 @@ def parser() -> argparse.ArgumentParser:
                    help="N worker processes sharing the problems and the study storage; auto: one per visible "
                         "GPU, each pinned with CUDA_VISIBLE_DEVICES (default: one process, no workers); "
                         "--trials/--timeout/--total-timeout then hold for the whole run")
-    t.add_argument("--dtype", action="append", choices=["fp32", "fp16", "bf16"],
-                   help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
-    t.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
-                   help="repeatable (default: nchw with --shape, else the default problems' layouts)")
-    gn = t.add_argument_group("GroupNorm problem", "for groupnorm_*")
-    gn.add_argument("--groups", type=_positive_int, help="G, dividing C (required with --shape; no default)")
-    gn.add_argument("--activation", choices=["none", "swish"],
-                    help="none or swish (default: none with --shape, else the default problems' activations)")
-    pool = t.add_argument_group("pooling problem", "with --shape, for maxpool2d_* / avgpool2d_*")
-    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW (required with --shape; no default)")
-    pool.add_argument("--stride", type=_csv_ints, help="stride: S or SH,SW (default: the kernel)")
-    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default: 0)")
-    pool.add_argument("--dilation", type=_csv_ints, help="max pooling: D or DH,DW (default: 1)")
-    pool.add_argument("--ceil-mode", action="store_true", default=None,
-                      help="ceil instead of floor for the output size (default: floor)")
-    pool.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=None,
-                      help="avg pooling: count the padding in the divisor (default: yes)")
-    pool.add_argument("--divisor-override", type=_positive_int,
-                      help="avg pooling: divide by this positive integer instead (default: none)")
-    pool.add_argument("--return-indices", action="store_true", default=None,
-                      help="maxpool2d_fwd: also write int64 indices (default: no)")
-    pool.add_argument("--indices", choices=["stored", "recompute"],
-                      help="maxpool2d_bwd: read stored int64 indices or recompute the argmax from x (default: stored)")
     _search_options(t)
     _common(t, "ckgen tune", cmd_tune, fmt=True)
+
+    ex = sub.add_parser(
+        "explain", help="which instance each call of a problem would use, and why (no GPU needed with --arch)",
+        description="Which instance the dispatcher would use for OP's problems, and why (what ckgen.explain "
+                    "says): a tuned DB entry, the cost model's pick, the nearest tuned problem's winner or the "
+                    "default. The problems are given as to `ckgen tune`: --shape (one problem per dtype x "
+                    "layout), --grid, or none (the op's default problems). Nothing is compiled or launched.")
+    ex.add_argument("op", metavar="OP", choices=op_names, help=f"the op: one of {', '.join(op_names)}")
+    _problem_options(ex)
+    ex.add_argument("--arch", help="the arch to explain for, e.g. sm_90 (default: this machine's GPU's; "
+                                   "without a GPU, --arch is needed)")
+    _common(ex, "ckgen explain", cmd_explain, fmt=True)
 
     g = sub.add_parser("generate", help="write and build the instance library for targets (no GPU needed)")
     g.add_argument("--target", default="sm_80,sm_90,gfx90a,gfx942,gfx1100",
@@ -980,13 +1248,17 @@ def parser() -> argparse.ArgumentParser:
     _common(rt, "ckgen retune", cmd_retune, fmt=True)
 
     b = sub.add_parser("bench", help="time every op's suite on this GPU against PyTorch eager and torch.compile")
-    b.add_argument("--ops", help="comma-separated ops (default: all six)")
+    b.add_argument("--ops", help="comma-separated ops (default: all eight)")
     b.add_argument("--out", help="folder for bench-<device>.md/.json/.png (default: $OUT or ./bench-results)")
     b.add_argument("--quick", action="store_true", help="every third problem of each suite")
     b.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     _common(b, "ckgen bench", cmd_bench)
 
-    ls = sub.add_parser("list", help="list ops and DB entries")
+    ls = sub.add_parser("list", help="the ops, their tunables and problem grids (no GPU needed)",
+                        description="The ops, their tunables and problem grids; with --op, one op's tunables "
+                                    "(values, default) and grids (problems, what they cover). The DB's entries: "
+                                    "`ckgen db show [--op NAME]`.")
+    ls.add_argument("--op", help="one op: every tunable's values and every grid (default: all ops, in brief)")
     _common(ls, "ckgen list", cmd_list, fmt=True)
 
     d = sub.add_parser("db", help="inspect the instance DB")

@@ -139,12 +139,10 @@ RIDGE = 40.0
 # log(1 + chain / roofline); None: no term, the model before 2026-11-27 (bench/costmodel_kfold.py)
 CHAIN: str | None = "max"
 CHAIN_US = 1.0
-# Records timed from this date ran the NCHW backward's narrower rows (c3f789e, 2026-11-27: the
-# shipped entries it re-hashed were re-timed with it at 18:57; the last tuning records before it
-# are of 15:21); the fit counts older ones' chain with the rule they ran. Predictions count
-# today's (PREDICT_NARROW_ROWS; the k-fold study turns it off to score picks against the old
-# records' times).
-NARROW_ROWS_SINCE = "2026-11-27T18:00"
+# Records of kernel version 2 on (records.KERNEL_VERSION) ran the NCHW backward's narrower rows;
+# the fit counts older ones' chain with the rule they ran. Predictions count today's
+# (PREDICT_NARROW_ROWS; the k-fold study turns it off to score picks against the old records' times).
+NARROW_ROWS_FROM_KERNEL_VERSION = 2
 PREDICT_NARROW_ROWS = True
 # The measured correction: a config's prediction is corrected by how far off the model was for
 # that config on recorded problems near this one (its within-problem log residual), weighted by
@@ -298,9 +296,10 @@ def chain_steps(op: OpSpec, p: Problem, c: Config, narrow_rows: bool = True) -> 
     forward's reload / the backward's staged and fused schemes stream twice (sums, then y or
     dx). The NCHW backward's sums go channel by channel in a 2-D tile of RR rows x CC threads:
     a round per RR channels, each ceil(channel / (CC x ITEMS)) steps long, where a row is as
-    narrow as sweeps a channel in one step (CC x ITEMS >= H*W/vec) since 2026-11-27, and was as
+    narrow as sweeps a channel in one step (CC x ITEMS >= H*W/vec) since kernel version 2, and was as
     wide as the channel (CC >= H*W/vec, up to the block) before (`narrow_rows=False`: records
-    timed before NARROW_ROWS_SINCE ran that). Exact where every block's share is whole channels;
+    of a kernel version before NARROW_ROWS_FROM_KERNEL_VERSION ran that). Exact where every
+    block's share is whole channels;
     where a share straddles channels each piece is counted as a whole channel's steps, an upper
     bound within 2x of the walk (tests/test_costmodel_chain.py). Pooling: 0 (no chain term)."""
     name = op.name
@@ -1120,8 +1119,11 @@ def packaged_fit_data() -> FitData:
 
 
 def _prepare(records: list[dict[str, Any]]) -> tuple[list, list[Geometry]]:
+    from . import records as recmod
+
     rows = _usable_records(records)
-    geos = [geometry(op, p, c, t, narrow_rows=str(r.get("date", "")) >= NARROW_ROWS_SINCE) for r, op, p, t, c in rows]
+    geos = [geometry(op, p, c, t, narrow_rows=recmod.kernel_version(r) >= NARROW_ROWS_FROM_KERNEL_VERSION)
+            for r, op, p, t, c in rows]
     return rows, geos
 
 

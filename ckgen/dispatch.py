@@ -500,9 +500,12 @@ def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
         return planners[op_name](*args, **kwargs)[0].choice
     arch = kwargs.pop("arch", None)
     if arch is None:
-        from .target import current_target
+        from .target import NoGPUError, current_target
 
-        target = current_target()
+        try:
+            target = current_target()
+        except NoGPUError as e:  # offline, a problem is explained for a named arch
+            raise NoGPUError(f'{e}; to explain a problem without a GPU, pass arch= (e.g. arch="sm_90")') from None
     else:
         target = Target.named(arch)
     problem = op.parse_problem(**kwargs)

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 
@@ -48,41 +48,58 @@ class Built:
     report: dict[str, Any]  # per kernel symbol: registers, spills, shared memory ...
 
 
-def _problems(op: OpSpec, db: dbmod.InstanceDB) -> list[Any]:
+def problems(op: OpSpec, db: dbmod.InstanceDB) -> list[Any]:
+    """The problems `plan` renders `op` for: the DB's problems of the op, else (none tuned) its
+    default problems."""
     keys = sorted({e.problem for e in db.select(op.name)})
     return [op.problem_from_key(k) for k in keys] or op.default_problems()  # nothing tuned: the defaults
 
 
+_problems = problems
+
+
 def plan(targets: Iterable[str], ops: Iterable[str] | None = None, *, from_db: bool = True,
-         db: dbmod.InstanceDB | None = None) -> list[Instance]:
+         db: dbmod.InstanceDB | None = None,
+         progress: Callable[[str, str, int, int], None] | None = None) -> list[Instance]:
     """Instances per target. from_db: each problem of the DB gets the winner tuned for this arch;
     failing that, a winner tuned on another arch that is valid here (nearest arch first); failing
-    that, the default. Otherwise (defaults): the default config for every problem."""
+    that, the default. Otherwise (defaults): the default config for every problem.
+    `progress(arch, op, done, total)`: called before an (arch, op)'s first problem (done 0) and
+    after each of its `total` problems is rendered."""
     db = db if db is not None else dbmod.InstanceDB.load(dbmod.shipped_db_path())
     op_specs = [get_op(o) for o in ops] if ops else all_ops()
     out: dict[tuple[str, str], Instance] = {}
+
+    def add(op: OpSpec, problem: Any, arch: str, target: Target) -> None:
+        config = None
+        if from_db:
+            mine = db.lookup(op.name, arch, problem.key())
+            others = sorted((e for e in db.select(op.name) if e.problem == problem.key() and e.arch != arch),
+                            key=lambda e: (e.vendor != target.vendor, e.arch))
+            for e in ([mine] if mine else []) + others:
+                cfg = Config.of(e.config_dict())
+                if op.validate(problem, cfg, target):
+                    config = cfg
+                    break
+        config = config or op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
+        if config is None:
+            return
+        src = render_instance(op, problem, config, target)
+        key = (arch, src.name)
+        prev = out.get(key)
+        probs = tuple(sorted({*(prev.problems if prev else ()), problem.key()}))
+        out[key] = Instance(op.name, target, config, src, probs)
+
     for arch in targets:
         target = Target.named(arch)
         for op in op_specs:
-            for problem in _problems(op, db):
-                config = None
-                if from_db:
-                    mine = db.lookup(op.name, arch, problem.key())
-                    others = sorted((e for e in db.select(op.name) if e.problem == problem.key() and e.arch != arch),
-                                    key=lambda e: (e.vendor != target.vendor, e.arch))
-                    for e in ([mine] if mine else []) + others:
-                        cfg = Config.of(e.config_dict())
-                        if op.validate(problem, cfg, target):
-                            config = cfg
-                            break
-                config = config or op.space.nearest_default(lambda c: bool(op.validate(problem, c, target)))
-                if config is None:
-                    continue
-                src = render_instance(op, problem, config, target)
-                key = (arch, src.name)
-                prev = out.get(key)
-                probs = tuple(sorted({*(prev.problems if prev else ()), problem.key()}))
-                out[key] = Instance(op.name, target, config, src, probs)
+            problems = _problems(op, db)
+            if progress:
+                progress(arch, op.name, 0, len(problems))
+            for k, problem in enumerate(problems, 1):
+                add(op, problem, arch, target)
+                if progress:
+                    progress(arch, op.name, k, len(problems))
     return [out[k] for k in sorted(out)]
 
 
@@ -285,17 +302,25 @@ def _build_hip(inst: Instance, pch: Path | None = None) -> Built:
     return Built(inst, True, "", report)
 
 
-def build(instances: list[Instance], jobs: int | None = None, hip_pch: bool = True) -> list[Built]:
+def build(instances: list[Instance], jobs: int | None = None, hip_pch: bool = True,
+          progress: Callable[[Built], None] | None = None) -> list[Built]:
     """Compile every instance for its target (threads: NVRTC and clang run outside the GIL).
     HIP sources compile against hip_runtime.h precompiled once per arch (`_hip_pch`; `hip_pch`
-    False, or a clang that cannot: each parses it)."""
+    False, or a clang that cannot: each parses it). `progress(built)`: called as each instance
+    is built, from the building threads, in no fixed order."""
     jobs = jobs or max(1, (os.cpu_count() or 2))
     archs = sorted({i.target.arch for i in instances if i.target.vendor == "hip"})
     tc = hip_toolchain() if archs and hip_pch else None
     with tempfile.TemporaryDirectory() as d, cf.ThreadPoolExecutor(jobs) as ex:
         pchs = dict(zip(archs, ex.map(lambda a: _hip_pch(a, tc, Path(d)), archs))) if tc is not None else {}
-        return list(ex.map(lambda i: _build_hip(i, pchs.get(i.target.arch)) if i.target.vendor == "hip"
-                           else _build_cuda(i), instances))
+
+        def one(i: Instance) -> Built:
+            b = _build_hip(i, pchs.get(i.target.arch)) if i.target.vendor == "hip" else _build_cuda(i)
+            if progress:
+                progress(b)
+            return b
+
+        return list(ex.map(one, instances))
 
 
 _SPILLS: dict[str, int | None] = {}

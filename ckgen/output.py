@@ -1,8 +1,10 @@
 """How the CLI prints its tables, in one of three formats (`--format`):
 
-- `table`: rich tables for a person at a terminal. Identifiers (ops, problem keys, instance
-  names, devices) are never cut: on a narrow terminal the long ones (problem keys, instance
-  names) go on lines of their own under their row, whole.
+- `table`: rich tables for a person at a terminal. Identifiers (ops, archs, problem keys,
+  instance names, paths) and numbers are never cut nor wrapped, at any width: text columns wrap
+  between words; on a narrower terminal the long identifiers (problem keys, instance names,
+  paths), then the row's other columns (text first), go on lines of their own under their row,
+  whole (`to_rich`).
 - `tsv`: one header line of column keys, then one line per row, tab-separated; several tables
   are separated by one empty line. The default when stdout is not a terminal (`ckgen list | cat`).
 - `json`: one JSON document, `{table name: [row objects], ...}`, with numbers as numbers.
@@ -91,61 +93,153 @@ def _natural(sheet: Sheet, texts: list[list[str]]) -> list[int]:
     return [max([len(c.title or c.key)] + [len(t[i]) for t in texts]) for i, c in enumerate(sheet.cols)]
 
 
+def _title(c: Col) -> str:
+    return c.title or c.key
+
+
+def _least(sheet: Sheet, texts: list[list[str]]) -> list[int]:
+    """The narrowest each column may be: an identifier's or a number's widest cell (never cut or
+    wrapped), a text column's longest word (text wraps between words); headers wrap between
+    words either way."""
+    out = []
+    for i, c in enumerate(sheet.cols):
+        words = _title(c).split() or [""]
+        if c.ident or c.number:
+            cells = [len(t[i]) for t in texts]
+        else:
+            cells = [len(w) for t in texts for w in t[i].split()]
+        out.append(max([1] + [len(w) for w in words] + cells))
+    return out
+
+
+def _spread(sheet: Sheet, cols: Sequence[int], least: list[int], natural: list[int], room: int) -> dict[int, int]:
+    """Widths for `cols` from their least widths, `room` more columns shared out toward their
+    natural widths: first to the text columns (fewer wrapped lines), then to wrapped headers."""
+    widths = {i: least[i] for i in cols}
+    text = [i for i in cols if not sheet.cols[i].ident and not sheet.cols[i].number]
+    for group in (text, list(cols)):
+        want = {i: natural[i] - widths[i] for i in group if widths[i] < natural[i]}
+        total = sum(want.values())
+        if room <= 0 or not total:
+            continue
+        if total <= room:
+            give = want
+        else:  # in proportion to what each lacks, the remainder one by one to the widest lacks
+            give = {i: room * w // total for i, w in want.items()}
+            for i in sorted(want, key=lambda i: -want[i])[:room - sum(give.values())]:
+                give[i] += 1
+        for i, g in give.items():
+            widths[i] += g
+            room -= g
+    return widths
+
+
 def to_rich(sheet: Sheet, width: int) -> Any:
-    """`sheet` for a console `width` columns wide; no cell is ever cut. A table when it fits.
-    Narrower, its long identifiers (`wide` columns: problem keys, instance names) move to lines
-    of their own under each row, whole (a terminal wraps a line longer than itself). Failing
-    that, the table's cells fold onto more lines."""
+    """`sheet` for a console `width` columns wide. Identifiers and numbers are never cut nor
+    wrapped: a table when they fit whole on their rows with the text columns wrapped between
+    words. Narrower, the long identifiers (`wide` columns: problem keys, instance names, paths)
+    go on lines of their own under each row, whole (a terminal wraps a line longer than itself),
+    and so, while the row is still too wide, do its other columns, text ones first."""
     from rich import box
+    from rich.console import Group
     from rich.table import Table
-    from rich.text import Text
 
     texts = [[c.text(v) for c, v in zip(sheet.cols, row)] for row in sheet.rows]
     natural = _natural(sheet, texts)
-    chrome = 3 * len(sheet.cols) + 1  # borders and padding
-    short = [i for i, c in enumerate(sheet.cols) if not c.wide]
-    if sum(natural) + chrome > width and len(short) < len(sheet.cols):
-        return _records(sheet, texts, natural, short, Text)
-    t = Table(title=sheet.title or None, box=box.SQUARE, title_justify="left")
-    fits = sum(natural) + chrome <= width
+    least = _least(sheet, texts)
+    n = len(sheet.cols)
+    chrome = 3 * n + 1  # borders and padding
+    if sum(least) + chrome > width:
+        return _records(sheet, texts, natural, least, width)
+    widths = _spread(sheet, range(n), least, natural, width - chrome - sum(least))
+    t = Table(box=box.SQUARE)
     for i, c in enumerate(sheet.cols):
-        t.add_column(c.title or c.key, justify="right" if c.number else "left", no_wrap=c.number,
-                     overflow="fold", min_width=natural[i] if fits or c.number else None)
+        # an identifier's or number's width holds its widest cell: only headers and text wrap
+        t.add_column(_title(c), justify="right" if c.number else "left", overflow="fold", width=widths[i])
     for row in texts:
         t.add_row(*row)
-    return t
+    return Group(*_title_lines(sheet, width), t)
 
 
-def _records(sheet: Sheet, texts: list[list[str]], natural: list[int], short: list[int], Text: Any) -> Any:
+def _wrap(text: str, width: int) -> list[str]:
+    """Text wrapped between words to `width` (a longer word folds)."""
+    import textwrap
+
+    return textwrap.wrap(text, max(1, width), break_long_words=True, break_on_hyphens=False) or [""]
+
+
+def _records(sheet: Sheet, texts: list[list[str]], natural: list[int], least: list[int], width: int) -> Any:
+    """A row per record: the columns that fit on one line (text ones wrapped), then each of the
+    others as `label  value` under it. A row is known by its first identifier on that line;
+    when none is left there, the first identifier leads the record on a line of its own."""
     from rich.console import Group
+    from rich.text import Text
 
-    def line(cells: list[str]) -> str:
-        out = []
-        for i, cell in zip(short, cells):
-            out.append(cell.rjust(natural[i]) if sheet.cols[i].number else cell.ljust(natural[i]))
-        return "  ".join(out).rstrip()
+    cols = sheet.cols
+    n = len(cols)
 
-    wide = [i for i in range(len(sheet.cols)) if i not in short]
-    # A row is known by its first short identifier; without one, by its first long one, which
-    # then leads the record on a line of its own.
-    lead = wide[0] if not any(sheet.cols[i].ident for i in short) else None
-    rest = [i for i in wide if i != lead]
-    label = max((len(sheet.cols[i].title or sheet.cols[i].key) for i in rest), default=0)
-    pad = "  " if lead is not None else ""
-    parts: list[Any] = []
-    if sheet.title:
-        parts.append(Text(sheet.title, style="italic"))
-    head = [sheet.cols[i].title or sheet.cols[i].key for i in short]
+    def line_width(idx: list[int]) -> int:
+        pad = 0 if any(cols[i].ident for i in idx) else 2
+        return pad + sum(least[i] for i in idx) + 2 * max(0, len(idx) - 1)
+
+    inline = [i for i in range(n) if not cols[i].wide]
+    while inline and line_width(inline) > width:  # move out text, then identifiers, then numbers
+        inline.remove(max(inline, key=lambda i: (not cols[i].ident and not cols[i].number,
+                                                 not cols[i].number, least[i], -i)))
+    lead = None if any(cols[i].ident for i in inline) else next(
+        (i for i in range(n) if cols[i].ident), None)
+    pad = "" if lead is None else "  "
+    rest = [i for i in range(n) if i not in inline and i != lead]
+    widths = _spread(sheet, inline, least, natural, width - line_width(inline)) if inline else {}
+    label = max((len(_title(cols[i])) for i in rest), default=0)
+
+    def row_lines(cells: list[str]) -> list[str]:
+        columns = []
+        for i, cell in zip(inline, cells):
+            w = widths[i]
+            parts = [cell] if (cols[i].ident or cols[i].number) and len(cell) <= w else _wrap(cell, w)
+            columns.append([p.rjust(w) if cols[i].number else p.ljust(w) for p in parts])
+        depth = max((len(c) for c in columns), default=0)
+        return [(pad + "  ".join(c[k] if k < len(c) else " " * widths[i] for i, c in zip(inline, columns))).rstrip()
+                for k in range(depth)]
+
+    def field(i: int, value: str) -> list[str]:
+        head = f"{pad}  {_title(cols[i]).ljust(label)}  "
+        if not cols[i].ident:  # text wraps under itself; a number is short
+            if width - len(head) >= 20:
+                body = _wrap(value, width - len(head))
+                return [head + body[0]] + [" " * len(head) + b for b in body[1:]]
+            return [f"{pad}  {_title(cols[i])}"] + [f"{pad}    {b}" for b in _wrap(value, width - len(pad) - 4)]
+        if len(head) + len(value) <= width:
+            return [head + value]
+        indent = f"{pad}    " if len(pad) + 4 + len(value) <= width else ""
+        return [f"{pad}  {_title(cols[i])}", indent + value]  # an identifier whole, alone on its line
+
+    parts: list[Any] = _title_lines(sheet, width)
     if lead is not None:
-        parts.append(Text(sheet.cols[lead].title or sheet.cols[lead].key, style="bold"))
-    parts.append(Text(pad + line(head), style="bold"))
+        parts.append(Text(_title(cols[lead]), style="bold"))
+    if inline:
+        parts += [Text(ln, style="bold") for ln in row_lines([_title(cols[i]) for i in inline])]
     for row in texts:
         if lead is not None:
             parts.append(Text(row[lead]))
-        parts.append(Text(pad + line([row[i] for i in short])))
+        if inline:
+            parts += [Text(ln) for ln in row_lines([row[i] for i in inline])]
         for i in (i for i in rest if row[i]):
-            parts.append(Text(f"{pad}  {(sheet.cols[i].title or sheet.cols[i].key).ljust(label)}  {row[i]}"))
+            parts += [Text(ln) for ln in field(i, row[i])]
     return Group(*parts)
+
+
+def _title_lines(sheet: Sheet, width: int) -> list[Any]:
+    """The sheet's title, wrapped between words (a word longer than `width` stays whole)."""
+    import textwrap
+
+    from rich.text import Text
+
+    if not sheet.title:
+        return []
+    return [Text(ln, style="italic") for ln in textwrap.wrap(sheet.title, max(1, width), break_long_words=False,
+                                                              break_on_hyphens=False)]
 
 
 def emit(console: Any, fmt: str, sheets: Sequence[Sheet], extra: dict[str, Any] | None = None) -> None:

@@ -8,7 +8,8 @@ A record is one JSON object per line (JSON Lines):
      "config": {...}, "ok": true, "time_us": 12.3,            # ok: verified and timed
      "reason": "...",                                          # ok = false: why it failed
      "phase": "trial" | "final" | "sweep" | "winner" | "default" | "bench",
-     "source": where it came from, "date": ISO 8601}
+     "source": where it came from, "date": ISO 8601,
+     "kernel_version": the kernels' version it was timed with (KERNEL_VERSION)}
 
 `ckgen tune` appends a record per measured trial and per final-round re-timing to the records
 file beside the user DB (`user_records_path`), under a file lock, so concurrent tuners lose no
@@ -18,8 +19,9 @@ runs (bench/results/tuning), the shipped DB's winners and default timings, and t
 benchmarks (bench/results/*.json), never the held-out problems (bench/heldout.yaml).
 
 Reading is tolerant: a malformed line (a line nested too deeply to parse too) is skipped, with
-one warning per file. Nothing here
-imports CuPy."""
+one warning per file. A record written before records carried `kernel_version` gets it from
+`legacy_kernel_version` as it is read (the one place that looks at a record's date for that).
+Nothing here imports CuPy."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -43,6 +45,19 @@ PHASES = ("trial", "final", "sweep", "winner", "default", "bench")
 # record of the shipped ckgen/data/records.jsonl.gz)
 SWEEP_SOURCE = "bench/results/sweeps/"
 LOCK_TIMEOUT_S = 60.0
+
+# The version of the kernels a record was timed with, in every record as "kernel_version". Raise
+# it when a template change alters what a config of the tuning spaces does (not merely how fast),
+# so that the cost model can fit records of either version by the rule they ran:
+#   1: the NCHW GroupNorm backward's sums walked a channel in rows as wide as the channel (up to
+#      the block);
+#   2: in rows as narrow as sweep a channel in one step (`costmodel.chain_steps`, narrow_rows).
+KERNEL_VERSION = 2
+# The migration rule for legacy records, which carry no kernel_version (those written before it
+# existed: old user records files, the repo's tuning-run records): a record dated from this time
+# on was timed with version 2 kernels, an older one (or an undated one) with version 1. Used by
+# `legacy_kernel_version` alone; never by a record that says its version.
+LEGACY_V2_FROM_DATE = "2026-11-27T18:00"
 
 
 class RecordsWarning(UserWarning):
@@ -73,13 +88,30 @@ def problem_features(op: OpSpec, p: Problem) -> dict[str, Any]:
     return out
 
 
+def legacy_kernel_version(rec: dict[str, Any]) -> int:
+    """The migration of a legacy record (one without "kernel_version"): the kernels' version
+    from its date, by LEGACY_V2_FROM_DATE. `read` applies it to every record it reads that lacks
+    the field; a record that has it keeps it."""
+    return 2 if str(rec.get("date") or "") >= LEGACY_V2_FROM_DATE else 1
+
+
+def kernel_version(rec: dict[str, Any]) -> int:
+    """The version of the kernels `rec` was timed with: its "kernel_version", else (a legacy record
+    made without `make_record` or `read`) the legacy migration's."""
+    v = rec.get("kernel_version")
+    return v if isinstance(v, int) and not isinstance(v, bool) else legacy_kernel_version(rec)
+
+
 def make_record(op: OpSpec, p: Problem, target: Target, device: str, config: Config, *, ok: bool,
                 time_us: float | None = None, reason: str = "", phase: str = "trial", source: str = "tune",
-                date: str | None = None) -> dict[str, Any]:
+                date: str | None = None, kernel_version: int = KERNEL_VERSION) -> dict[str, Any]:
+    """A record of one measurement. `kernel_version`: the kernels it was timed with (default:
+    today's; a record of an older measurement says its own)."""
     rec: dict[str, Any] = {"op": op.name, "vendor": target.vendor, "arch": target.arch, "device": device,
                            "problem": p.key(), "features": problem_features(op, p), "config": config.as_dict(),
                            "ok": bool(ok), "phase": phase, "source": source,
-                           "date": date or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+                           "date": date or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                           "kernel_version": int(kernel_version)}
     if ok:
         rec["time_us"] = round(float(time_us), 4)  # type: ignore[arg-type]
     else:
@@ -103,6 +135,13 @@ def _checked(rec: Any) -> dict[str, Any]:
         raise ValueError("field 'config' is not a mapping of scalars")
     if not isinstance(rec.get("ok"), bool):
         raise ValueError("field 'ok' is not a bool")
+    v = rec.get("kernel_version")
+    if v is None:  # a legacy record: migrated once, here
+        rec["kernel_version"] = legacy_kernel_version(rec)
+    elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError("field 'kernel_version' is not a positive integer")
+    elif v > KERNEL_VERSION:  # timed with kernels this ckgen does not have: says nothing of its own
+        raise ValueError(f"kernel_version {v} is newer than this ckgen's kernels ({KERNEL_VERSION})")
     if rec["ok"]:
         t = rec.get("time_us")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
@@ -237,11 +276,11 @@ def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
         sw = load_sweep(path)
         src = f"{SWEEP_SOURCE}{path.name}"
         for cfg, t in sw.times.items():
-            out.append(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=True, time_us=t,
-                                   phase="sweep", source=src, date="2025-01-01T00:00:00+00:00"))
+            out.append(_legacy(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=True, time_us=t,
+                                           phase="sweep", source=src, date="2025-01-01T00:00:00+00:00")))
         for cfg, why in sw.failed.items():
-            out.append(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=False, reason=why,
-                                   phase="sweep", source=src, date="2025-01-01T00:00:00+00:00"))
+            out.append(_legacy(make_record(sw.op, sw.problem, sw.target, sw.device, cfg, ok=False, reason=why,
+                                           phase="sweep", source=src, date="2025-01-01T00:00:00+00:00")))
     for path in sorted((repo / "bench" / "results" / "tuning").glob("*.records.jsonl*")):
         out += read(path)  # every trial of the repo's DB tuning runs (bench/tune_db.sh), as measured
     shipped = dbmod.InstanceDB.load(repo / "ckgen" / "data" / "instances.yaml")
@@ -250,18 +289,18 @@ def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
         p = op.problem_from_key(e.problem)
         date = e.date or "2025-01-01T00:00:00+00:00"
         # a re-timed entry's time was measured when it was re-timed (tools/retime-entries.py): the
-        # winner's record says so (the cost model counts a record by the templates of its date);
+        # winner's record says so (its kernel_version follows from that date);
         # its default time is the tuning run's
         retimed = e.provenance_dict().get("retimed")
-        out.append(make_record(op, p, target, e.device, Config.of(e.config_dict()), ok=True, time_us=e.time_us,
-                               phase="winner", source="ckgen/data/instances.yaml",
-                               date=retimed if isinstance(retimed, str) else date))
+        out.append(_legacy(make_record(op, p, target, e.device, Config.of(e.config_dict()), ok=True,
+                                       time_us=e.time_us, phase="winner", source="ckgen/data/instances.yaml",
+                                       date=retimed if isinstance(retimed, str) else date)))
         if e.default_time_us > 0:
             # the tuner's "default": the space default, or the valid config nearest it
             d = op.space.nearest_default(lambda c: bool(op.validate(p, c, target)))
             if d is not None:
-                out.append(make_record(op, p, target, e.device, d, ok=True, time_us=e.default_time_us,
-                                       phase="default", source="ckgen/data/instances.yaml", date=date))
+                out.append(_legacy(make_record(op, p, target, e.device, d, ok=True, time_us=e.default_time_us,
+                                               phase="default", source="ckgen/data/instances.yaml", date=date)))
     for path in sorted((repo / "bench" / "results").glob("*.json")):
         if path.name.startswith(("heldout", "host_overhead", "models")):
             continue  # held-out problems; host-only timings; whole-model timings
@@ -280,13 +319,20 @@ def build_shipped(repo: Path | str) -> list[dict[str, Any]]:
             cfg = _config_of_instance(op, p, target, row["instance"])
             if cfg is None:  # an instance of an older space: its config is not known today
                 continue
-            out.append(make_record(op, p, target, device, cfg, ok=True, time_us=float(row["ckgen_us"]),
-                                   phase="bench", source=f"bench/results/{path.name}",
-                                   date="2026-11-23T00:00:00+00:00"))
+            out.append(_legacy(make_record(op, p, target, device, cfg, ok=True, time_us=float(row["ckgen_us"]),
+                                           phase="bench", source=f"bench/results/{path.name}",
+                                           date="2026-11-23T00:00:00+00:00")))
     out = [r for r in out if (r["op"], r["problem"]) not in heldout]
     out.sort(key=lambda r: (r["op"], r["arch"], r["problem"], r["phase"], json.dumps(r["config"], sort_keys=True),
                             r.get("time_us", 0.0), r["source"]))
     return out
+
+
+def _legacy(rec: dict[str, Any]) -> dict[str, Any]:
+    """A record of the repo's measurements (sweeps, the shipped DB, benchmarks), which say when
+    they were timed but not with which kernels: its kernel_version by the legacy migration."""
+    rec["kernel_version"] = legacy_kernel_version(rec)
+    return rec
 
 
 def _ops() -> list[OpSpec]:

@@ -1,6 +1,8 @@
 """The current device as a Target, and its properties. CuPy is imported lazily."""
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -53,9 +55,61 @@ def gpu_status() -> str | None:
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - no driver, an old driver, ...
-        runtime = "ROCm" if getattr(cupy.cuda.runtime, "is_hip", False) else "CUDA"
-        return f"the {runtime} runtime says {e}" if "Runtime" in type(e).__name__ else f"{e.__class__.__name__}: {e}"
+        return runtime_problem(e, cupy.cuda.runtime)
     return None if n > 0 else "no CUDA or ROCm device is visible"
+
+
+#: the NVIDIA driver's library, which the CUDA runtime loads (no file: no driver installed)
+DRIVER_LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+_NO_DEVICE = 100  # cudaErrorNoDevice
+_OLD_DRIVER = 35  # cudaErrorInsufficientDriver: also what the runtime says when there is no driver at all
+
+
+def driver_library_missing() -> bool:
+    """Is the NVIDIA driver's library (DRIVER_LIBRARY) impossible to load here?"""
+    import ctypes
+
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+    except OSError:
+        return True
+    return False
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def runtime_problem(error: Exception, runtime: Any) -> str:
+    """Why the CUDA (ROCm) runtime found no device, as a clause that follows "no usable GPU": the
+    real cause, not the runtime's code, which says "driver version is insufficient" when there is
+    no driver at all. No driver library: no NVIDIA driver/GPU; a driver older than CuPy's runtime:
+    which versions, and what to do; a driver that sees no GPU: that."""
+    if getattr(runtime, "is_hip", False):
+        return f"the ROCm runtime says {error}" if "Runtime" in type(error).__name__ else \
+            f"{error.__class__.__name__}: {error}"
+    status = getattr(error, "status", None)
+    if "Runtime" not in type(error).__name__:
+        return f"{error.__class__.__name__}: {error}"
+    if status in (_OLD_DRIVER, _NO_DEVICE):
+        if driver_library_missing():
+            return f"no NVIDIA driver/GPU found: {DRIVER_LIBRARY}, the NVIDIA driver's library, is not installed"
+        try:
+            driver, rt = int(runtime.driverGetVersion()), int(runtime.runtimeGetVersion())
+        except Exception:  # noqa: BLE001 - versions unreadable: say what the runtime said
+            driver, rt = -1, -1
+        if driver == 0:
+            return f"no NVIDIA driver/GPU found: {DRIVER_LIBRARY} loads but reports no driver"
+        if status == _OLD_DRIVER and 0 < driver < rt:
+            return (f"the NVIDIA driver is too old: it supports CUDA {_cuda_version(driver)}, CuPy's runtime is "
+                    f"CUDA {_cuda_version(rt)}; update the driver, or install the CuPy for it "
+                    f"(pip install 'ckgen[cuda{driver // 1000}]')")
+        if status == _NO_DEVICE:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            return ("no NVIDIA driver/GPU found: the NVIDIA driver"
+                    + (f" (CUDA {_cuda_version(driver)})" if driver > 0 else "") + " sees no GPU"
+                    + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+    return f"the CUDA runtime says {error}"
 
 
 @lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ import pytest
 
 from ckgen import db as dbmod
 from ckgen.instance import render_instance
-from ckgen.ops import get_op
+from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Target
 from ckgen.target import gpu_status
 
@@ -136,16 +136,34 @@ def test_tune_groups_not_dividing_channels(inproc) -> None:
 
 
 def test_list(inproc, tmp_path: Path, db_file: Path) -> None:
+    """`ckgen list`: the ops, their tunables and grids, never the DB's entries (`db show`'s)."""
     code, out, _ = inproc("list")
     assert code == 0
-    ops, entries = tsv(out)  # not a terminal: tab-separated, the ops then the DB entries
+    (ops,) = tsv(out)  # not a terminal: tab-separated; one table, whatever the DB holds
     by_op = {r["op"]: r for r in ops}
-    assert by_op["groupnorm_fwd"]["template"] == "groupnorm_fwd.cu.j2"
-    assert entries == []  # the isolated user DB is empty, and the tests see no shipped DB
-    code, out, _ = inproc("--db", str(db_file), "list")
-    assert code == 0 and len(tsv(out)[1]) == 2
+    assert set(by_op) == {o.name for o in all_ops()}
+    assert by_op["groupnorm_fwd"]["tunables"].startswith("threads, vec_bytes")
+    assert "sd15-unet" in by_op["groupnorm_fwd"]["grids"] and "resnet" in by_op["maxpool2d_fwd"]["grids"]
+    code, out2, _ = inproc("--db", str(db_file), "list")
+    assert code == 0 and out2 == out
     r = run_sub(tmp_path, "list")
-    assert r.returncode == 0 and "groupnorm_fwd" in r.stdout
+    assert r.returncode == 0 and "groupnorm_fwd" in r.stdout and "N=" not in r.stdout
+
+
+def test_list_one_op(inproc) -> None:
+    """`ckgen list --op NAME`: every tunable with its values and default, every grid with its
+    problem count and what it covers."""
+    code, out, _ = inproc("list", "--op", "maxpool2d_bwd")
+    assert code == 0
+    tunables, grids = tsv(out)
+    op = get_op("maxpool2d_bwd")
+    assert [r["tunable"] for r in tunables] == list(op.space.params)
+    algo = next(r for r in tunables if r["tunable"] == "algo")
+    assert algo["values"] == ", ".join(op.space.params["algo"])
+    assert algo["default"] == op.space.default.as_dict()["algo"]
+    assert {r["grid"]: int(r["problems"]) for r in grids} == {g: len(op.grid_problems(g)) for g in op.grid_names()}
+    code, out, err = inproc("list", "--op", "conv2d")
+    assert code == 2 and out == "" and err.startswith("ckgen list: --op: unknown 'conv2d'; choose from ")
 
 
 def test_list_counts_the_default_problems_the_ops_tune(inproc) -> None:
@@ -207,7 +225,7 @@ def test_db_export_csv(inproc, tmp_path: Path, db_file: Path) -> None:
 def test_corrupt_db_is_reported_and_untouched(inproc, tmp_path: Path, corrupt: Path) -> None:
     before = corrupt.read_bytes()
     for argv in (["db", "show", "--db", str(corrupt)], ["db", "export", "--db", str(corrupt)],
-                 ["--db", str(corrupt), "list"]):
+                 ["--db", str(corrupt), "explain", "groupnorm_fwd", "--arch", "sm_90"]):
         code, out, err = inproc(*argv)
         assert code == 2, argv
         assert str(corrupt) in err, err
@@ -249,7 +267,59 @@ def test_bench_without_gpu_says_why(inproc) -> None:
 
 def test_bench_rejects_unknown_ops(inproc) -> None:
     code, out, err = inproc("bench", "--ops", "groupnorm_fwd,conv2d")
-    assert code == 2 and "--ops: unknown ['conv2d']" in err
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--ops: unknown conv2d; choose from " in err and "groupnorm_bwd_gamma_beta" in err
+
+
+def test_bench_covers_every_op(inproc, monkeypatch) -> None:
+    """`ckgen bench` has a suite for every op, and --ops takes each of them (up to the GPU check)."""
+    import ckgen.target
+    from ckgen.opbench import OPS
+    from ckgen.ops import all_ops
+
+    assert sorted(OPS) == sorted(o.name for o in all_ops())
+    pytest.importorskip("torch")
+    monkeypatch.setattr(ckgen.target, "gpu_status", lambda: "faked: none here")
+    for op in OPS:
+        code, out, err = inproc("bench", "--ops", op)
+        assert code == 2 and err.strip() == "ckgen bench: no usable GPU (faked: none here)", (op, err)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_bench_eager_sides_on_cpu(layout: str) -> None:
+    """Each op's comparison: the eager side runs (on CPU here) and gives what the ckgen op gives
+    (dx alone, dgamma/dbeta alone, or all three for the GroupNorm backwards); the ckgen side is a
+    call of that op (GPU only)."""
+    torch = pytest.importorskip("torch")
+    import dataclasses
+
+    from ckgen.opbench import OPS, callables, suite
+
+    shapes = {"groupnorm": (2, 8, 6, 6), "maxpool2d": (2, 4, 9, 9), "avgpool2d": (2, 4, 9, 9)}
+    outputs = {"groupnorm_fwd": 1, "groupnorm_bwd": 3, "groupnorm_bwd_data": 1, "groupnorm_bwd_gamma_beta": 2}
+    for op in OPS:
+        p = suite(op, True)[0]
+        N, C, H, W = shapes[op.split("_")[0]]
+        fields = dict(N=N, C=C, H=H, W=W, dtype="fp32", layout=layout)
+        if op.startswith("groupnorm"):
+            fields["G"] = 4
+        p = dataclasses.replace(p, **fields)
+        ours, eager, what = callables(op, p, device="cpu")
+        if op == "groupnorm_bwd_gamma_beta" and layout == "nhwc":
+            # PyTorch's CPU channels-last GroupNorm backward crashes when dx is not asked for (the
+            # CUDA kernel checks for it); the GPU run takes this path
+            assert what == "autograd of F.group_norm (dgamma, dbeta)"
+            continue
+        got = eager()
+        got = [got] if isinstance(got, torch.Tensor) else [t for t in got if t is not None]
+        assert all(isinstance(t, torch.Tensor) and torch.isfinite(t).all() for t in got), op
+        if op in outputs:
+            assert len(got) == outputs[op], (op, what)
+        assert callable(ours) and what
+        with pytest.raises(TypeError, match="GPU"):  # the ckgen side: a GPU op, refused on CPU tensors
+            ours()
+    with pytest.raises(ValueError, match="conv2d"):
+        callables("conv2d", p, device="cpu")
 
 
 def test_bench_suites_and_explain_fields() -> None:
@@ -303,7 +373,7 @@ def _hostile_db(path: Path) -> dbmod.Entry:
     return e
 
 
-@pytest.mark.parametrize("argv", [["db", "show"], ["list"], ["db", "where"]])
+@pytest.mark.parametrize("argv", [["db", "show"], ["db", "show", "--op", "groupnorm_fwd"], ["db", "where"]])
 @pytest.mark.parametrize("fmt", ["table", "tsv"])
 def test_db_strings_are_shown_escaped_not_obeyed(inproc, tmp_path: Path, argv, fmt) -> None:
     path = tmp_path / "hostile.yaml"

@@ -46,12 +46,15 @@ def main() -> int:
             date = (t.datetime_complete or t.datetime_start).astimezone().isoformat(timespec="seconds") \
                 if (t.datetime_complete or t.datetime_start) else None
             cfg = Config.of(t.params)
+            # a trial says when it ran, not with which kernels: the legacy records' migration rule
+            version = records.legacy_kernel_version({"date": date})
             if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None:
                 out.append(records.make_record(op, problem, target, device, cfg, ok=True, time_us=float(t.value),
-                                               source="tune", date=date))
+                                               source="tune", date=date, kernel_version=version))
             elif t.state == optuna.trial.TrialState.FAIL and FAILURE_ATTR in t.user_attrs:
                 out.append(records.make_record(op, problem, target, device, cfg, ok=False,
-                                               reason=str(t.user_attrs[FAILURE_ATTR]), source="tune", date=date))
+                                               reason=str(t.user_attrs[FAILURE_ATTR]), source="tune", date=date,
+                                               kernel_version=version))
     records.append(Path(args.out), out)
     print(f"{args.out}: {len(out)} records from {studies} studies")
     return 0

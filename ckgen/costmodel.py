@@ -1630,7 +1630,8 @@ def _dispatch_pick(model: CostModel, op: OpSpec, p: Problem, target: Target, ent
             extra += carried_winners(op, p, target, [(c, e.problem)])
             if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
-    got = model.choose(op, p, target, lambda c: bool(usable(c)), extra, accept, admitted)
+    more = {} if admitted is None else {"admitted": admitted}
+    got = model.choose(op, p, target, lambda c: bool(usable(c)), extra, accept, **more)
     if got is None:
         return None
     if NEAREST_MARGIN is not None:

@@ -45,6 +45,12 @@ def short_repr(v: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+class KernelLimitError(ValueError):
+    """A problem PyTorch can compute but ckgen's kernels cannot index (32-bit plane or window
+    coordinates): an argument error for ckgen's own API, and a reason to run PyTorch's op in
+    ckgen.torch."""
+
+
 @dataclass(frozen=True)
 class Support:
     """Whether a config can run a problem; `reason` says why not."""

@@ -1208,3 +1208,21 @@ def test_pool_ops_cache_the_answer_by_their_arguments(monkeypatch):
     O._pool_not_served("maxpool2d_fwd", x, (3, 3), (2, 2), (1, 1), (1, 1), False, (("return_indices", True),))
     assert len(asked) == 4
     O._served.clear()
+
+
+def test_a_plane_beyond_the_kernels_indexing_is_a_fallback_not_an_error():
+    """A pooling plane of 2^31 elements or more is ckgen's limit (32-bit plane indexing), not
+    PyTorch's: ckgen.torch gives the reason to fall back on, while ckgen's own API refuses it."""
+    from ckgen.ops import get_op
+    from ckgen.torch import ops as ckops
+    from ckgen.types import KernelLimitError
+
+    x = torch.empty((1, 1, 65536, 32768), device="meta", dtype=torch.bfloat16)
+    fields = dict(kernel=(2, 2), stride=(2, 2), padding=(0, 0), dilation=(1, 1), ceil_mode=False, return_indices=False)
+    why = ckops._not_served_problem("maxpool2d_fwd", x, fields)
+    assert why is not None and "2^31" in why and why.startswith("H: ")
+    with pytest.raises(KernelLimitError, match="^H: "):
+        get_op("maxpool2d_fwd").parse_problem(N=1, C=1, H=65536, W=32768, dtype="bf16", layout="nchw", **fields)
+    small = torch.empty((1, 1, 64, 64), device="meta", dtype=torch.bfloat16)
+    bad = dict(fields, kernel=(0, 2))  # an argument error stays the ckgen call's to raise
+    assert ckops._not_served_problem("maxpool2d_fwd", small, bad) is None

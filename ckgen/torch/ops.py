@@ -359,6 +359,15 @@ def _not_served_problem(op_name: str, x: Tensor, fields: dict) -> Optional[str]:
     except ValueError:
         return None
     fields = dict(N=x.shape[0], C=x.shape[1], H=x.shape[2], W=x.shape[3], dtype=dt, layout=layout, **fields)
+    from ..ops import get_op
+    from ..types import KernelLimitError
+
+    try:
+        get_op(op_name).parse_problem(**fields)
+    except KernelLimitError as e:
+        return str(e)  # PyTorch's op computes it (64-bit indexing); ckgen's kernels cannot
+    except (ValueError, TypeError):
+        return None  # an argument error: the ckgen call raises it
     try:
         from ..target import device_info
 
@@ -366,12 +375,7 @@ def _not_served_problem(op_name: str, x: Tensor, fields: dict) -> Optional[str]:
     except Exception as e:  # CuPy missing or unusable
         return f"ckgen cannot use this GPU ({e.__class__.__name__}: {e})"
     import ckgen
-    from ..ops import get_op
 
-    try:
-        get_op(op_name).parse_problem(**fields)
-    except (ValueError, TypeError):
-        return None  # an argument error: the ckgen call raises it
     try:
         ckgen.explain(op_name, arch=arch, **fields)
     except ValueError as e:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ...types import DTYPES, INT32_MAX, LAYOUTS, short_repr
+from ...types import DTYPES, INT32_MAX, LAYOUTS, KernelLimitError, short_repr
 from ..numeric import round_to
 from ..spec import Problem, check_choice, check_flag, check_int
 
@@ -137,7 +137,7 @@ class PoolProblem(Problem):
                      "dilation" if d[axis] > 1 else "kernel_size": ek}
             if sum(parts.values()) > INT32_MAX:
                 worst = max(parts, key=parts.get)
-                raise ValueError(f"{worst}: window coordinates reach {sum(parts.values())} along "
+                raise KernelLimitError(f"{worst}: window coordinates reach {sum(parts.values())} along "
                                  f"{'H' if axis == 0 else 'W'} (size {size} + 2*padding {2 * p[axis]} + stride "
                                  f"{s[axis]} + effective kernel {ek}), beyond {INT32_MAX} (2^31-1, int in the kernel)")
         if self.OH < 1 or self.OW < 1:
@@ -147,10 +147,10 @@ class PoolProblem(Problem):
         # larger one, so it is an argument error here, not "no config of the tuning space".
         big = "H" if self.H >= self.W else "W"
         if self.H * self.W >= 2**31:
-            raise ValueError(f"{big}: an (n, c) plane of H x W = {self.H} x {self.W} = {self.H * self.W} elements "
+            raise KernelLimitError(f"{big}: an (n, c) plane of H x W = {self.H} x {self.W} = {self.H * self.W} elements "
                              "is 2^31 or more; the kernels index a plane with 32-bit ints")
         if self.OH * self.OW >= 2**31:
-            raise ValueError(f"{big}: the output plane of OH x OW = {self.OH} x {self.OW} = {self.OH * self.OW} "
+            raise KernelLimitError(f"{big}: the output plane of OH x OW = {self.OH} x {self.OW} = {self.OH * self.OW} "
                              f"elements (input {self.H} x {self.W}, padding {p}) is 2^31 or more; the kernels "
                              "index a plane with 32-bit ints")
         # One output along an axis: the stride there never moves a window, so it is set to the

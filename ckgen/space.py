@@ -61,8 +61,8 @@ class Constraint:
 
     expr: str
     reason: str
-    # The knob names `expr` reads (in order of first use) and `expr` compiled once into a
-    # function of them: checking a config evaluates no string.
+    # The knob names `expr` reads, each once, and `expr` compiled once into a function of them:
+    # checking a config evaluates no string.
     names: tuple[str, ...] = field(init=False, compare=False, repr=False)
     _fn: Callable[..., Any] = field(init=False, compare=False, repr=False)
 
@@ -197,8 +197,6 @@ class _CompiledSpace:
 
     def enumerate(self) -> tuple[Config, ...]:
         out: list[Config] = []
-        if not self.names:
-            return ()
         loops = [list(itertools.product(*(self.params[n] for n in names))) if len(names) > 1 else self.params[names[0]]
                  for names in self.loops]
         self._enumerate(out.append, Config, *loops)

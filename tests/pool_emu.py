@@ -103,6 +103,28 @@ def compiler() -> str | None:
 
 
 _cache: dict[str, ctypes.CDLL] = {}
+FLAGS = ["-std=c++17", "-O1", "-fPIC", "-pthread", "-w"]
+_shim_pch: dict[str, list[str] | None] = {}
+
+
+def _shim_flags(cc: str, folder: Path) -> list[str] | None:
+    """The flags that put SHIM before a source from a precompiled header (the C++ standard
+    headers it includes are most of an emulator build), or None where it cannot be built: then
+    SHIM is written into the source. clang: -include-pch; g++: -include of the header beside
+    its .gch."""
+    if cc not in _shim_pch:
+        clang = "clang" in Path(cc).name
+        key = hashlib.sha256("\0".join([cc, *FLAGS, SHIM]).encode()).hexdigest()[:16]
+        header = folder / f"shim-{key}.h"
+        pch = folder / f"shim-{key}.h.{'pch' if clang else 'gch'}"
+        if not pch.is_file():
+            header.write_text(SHIM)
+            tmp = folder / f"shim-{key}.{os.getpid()}.tmp"
+            r = subprocess.run([cc, *FLAGS, "-x", "c++-header", str(header), "-o", str(tmp)], capture_output=True)
+            if r.returncode == 0:
+                os.replace(tmp, pch)
+        _shim_pch[cc] = None if not pch.is_file() else (["-include-pch", str(pch)] if clang else ["-include", str(header)])
+    return _shim_pch[cc]
 
 
 def build(op: OpSpec, problem, config: Config) -> tuple[ctypes.CDLL, list]:
@@ -110,23 +132,27 @@ def build(op: OpSpec, problem, config: Config) -> tuple[ctypes.CDLL, list]:
     assert ok, ok.reason
     launches = op.launches(problem, config, EMU_TARGET)
     src = render(op.template, op.instance_name(problem, config), op.render_context(problem, config, EMU_TARGET))
-    code = src.code.replace("#include <hip/hip_runtime.h>", SHIM)
+    # the render's one include is where SHIM goes: only comment lines come before it
+    head, include, body = src.code.partition("#include <hip/hip_runtime.h>")
+    assert include and all(not ln.strip() or ln.startswith("//") for ln in head.splitlines()), src.name
     for l in launches:
         assert 4 * (1 << 16) >= l.shared_mem, "the emulator's shared memory is too small"
     wrapper = WRAPPER_THREADS if "__syncthreads" in src.code else WRAPPER
-    code += "".join(wrapper.format(k=l.kernel) for l in launches)
-    assert not re.search(r"\basm\b", code)
-    digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+    body += "".join(wrapper.format(k=l.kernel) for l in launches)
+    assert not re.search(r"\basm\b", body)
+    digest = hashlib.sha256((SHIM + body).encode()).hexdigest()[:16]
     lib = _cache.get(digest)
     if lib is None:
         d = Path(tempfile.gettempdir()) / "ckgen-pool-emu"
         d.mkdir(exist_ok=True)
         so = d / f"{digest}.so"
         if not so.is_file():
+            cc = compiler()
+            shim = _shim_flags(cc, d)
             cpp = d / f"{digest}.cpp"
-            cpp.write_text(code)
+            cpp.write_text(body if shim is not None else SHIM + body)
             tmp = d / f"{digest}.{os.getpid()}.so"
-            r = subprocess.run([compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(tmp), str(cpp)],
+            r = subprocess.run([cc, *FLAGS, *(shim or []), "-shared", "-o", str(tmp), str(cpp)],
                                capture_output=True, text=True)
             assert r.returncode == 0, f"{src.name}: emulator build failed\n{r.stderr[-3000:]}"
             os.replace(tmp, so)

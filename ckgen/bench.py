@@ -33,7 +33,7 @@ class Timing:
 
 # The L2 flush (CUDA, sm_80+). A plain fill of a buffer twice L2's size does not evict lines
 # that a kernel loaded with an evict_last hint, as Triton's kernels (torch.compile's) load their
-# inputs: on the H100 the held-out 16x256x28x28 fp32 max pool's input stayed partly in L2 across
+# inputs: the held-out 16x256x28x28 fp32 max pool's input stayed partly in L2 across
 # plain fills once torch.compile had run on it, and ckgen's kernel on the same input went from
 # 12.4 to 10.1 us, torch.compile's was 9.6. So the buffer is written with evict_last stores, which
 # displace those lines too, and each line is demoted to evict_normal once written: L2 is left as a

@@ -96,8 +96,7 @@ WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept a
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
 
 
-# Host time of one call on the H100 host (bench/results/host_overhead-NVIDIA-H100-80GB-HBM3.json,
-# torch inputs): cuLaunchKernel's floor per launch (4.06 us), an output allocation, and the rest
+# Host time of one call (bench/host_overhead.py, torch inputs): cuLaunchKernel's floor per launch (4.06 us), an output allocation, and the rest
 # of a call; within 3 us of the 10 measured ops' 9.5-26 us except groupnorm_bwd_gamma_beta (26).
 HOST = {"call_us": 4.0, "launch_us": 4.06, "alloc_us": 3.0}
 
@@ -122,21 +121,21 @@ TERMS: tuple[tuple[str, float, str], ...] = (
 )
 TERM_NAMES = tuple(t[0] for t in TERMS)
 PRIOR = np.array([t[1] for t in TERMS])
-BW_BYTES_PER_US = 3.0e6  # the roofline's bandwidth (H100 HBM3 ~3.35 TB/s peak); intercepts absorb the rest
+BW_BYTES_PER_US = 3.0e6  # the roofline's bandwidth (an HBM3 part's ~3.35 TB/s peak); intercepts absorb the rest
 FLOOR_GRID = (1.5, 2.5, 3.5, 4.5, 6.0)  # us for a call's first launch on the GPU (launch latency + ramp)
 # each further launch of the same call, as a fraction of the first: it is queued behind the first
 # one, so it pays its ramp but not the launch latency (a multi-stage GroupNorm backward, a split
-# forward's merge; 1.0: every launch costs the same, the model before 2026-11-25)
+# forward's merge; 1.0: every launch costs the same)
 FLOOR_NEXT_GRID = (0.25, 0.5, 1.0)
 # max pool backward with the argmax recomputed: x re-read under the covering outputs' windows as
-# a "reread" term (geometry); False: none, the model before 2026-11-25 (bench/costmodel_kfold.py)
+# a "reread" term (geometry); False: no such term (compared in bench/costmodel_kfold.py)
 RECOMPUTE_REREAD = True
 NEED_GRID = (0.25e6, 0.5e6, 1e6, 2e6, 4e6, 8e6)  # bytes in flight the GPU needs to hide memory latency
 RIDGE = 40.0
 # The chain term (GroupNorm): a block's serial load round trips (`chain_steps`) x its waves x
-# CHAIN_US bound the time from below however few bytes move (HBM latency ~0.6-0.8 us on the H100,
+# CHAIN_US bound the time from below however few bytes move (HBM latency ~0.6-0.8 us,
 # plus the reduction that follows a step). "max": log(max(1, chain / roofline)); "sum":
-# log(1 + chain / roofline); None: no term, the model before 2026-11-27 (bench/costmodel_kfold.py)
+# log(1 + chain / roofline); None: no term (compared in bench/costmodel_kfold.py)
 CHAIN: str | None = "max"
 CHAIN_US = 1.0
 # Records of kernel version 2 on (records.KERNEL_VERSION) ran the NCHW backward's narrower rows;
@@ -1489,8 +1488,8 @@ def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) 
     """A winner `c` of problem q carried to problem p with its split knob (`SPLIT_KNOBS`) set so
     that p's grid has about as many blocks as q's had: a winner tuned at batch 16 with 8 blocks
     per slice runs 128 blocks there, and at batch 1 the same config would leave most SMs idle
-    (GroupNorm forward rows, 1x4x1024x1024: 64 blocks 19-25 us, 128 blocks 17.5-18 us on the
-    H100). None when the op has no split knob, c has no split (1: one block per slice is the
+    (GroupNorm forward rows, 1x4x1024x1024: 64 blocks 19-25 us, 128 blocks 17.5-18 us on a
+    132-SM part). None when the op has no split knob, c has no split (1: one block per slice is the
     config's design), or the matched value is c's own or invalid for p."""
     knob = next((k for k in SPLIT_KNOBS if k in op.space.params), None)
     if knob is None or c.as_dict().get(knob, 1) <= 1:

@@ -470,7 +470,7 @@ def _heuristic_seeds(op: OpSpec, seeds: list[Config], count: int, trials: int) -
 
 # Winners of the nearest recorded problems seeded beside the cost model's picks (`model_picks`),
 # within the `_n_seeds` slots (so at most 3 at 20 trials). 4 was chosen on the replayed sweeps
-# (issue 17): runs within 3% of the best over the 22 sweeps x 3 seeds at 40 / 20 trials: 1
+# (bench/replay_search.py): runs within 3% of the best over the 22 sweeps x 3 seeds at 40 / 20 trials: 1
 # neighbour 57/66, 46/66; 2: 60, 45; 3: 57, 51; 4: 60, 51 (none, over 20 seeds: 82%, 68%).
 NEIGHBOURS = 4
 

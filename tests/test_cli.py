@@ -357,7 +357,7 @@ def test_bench_report_from_rows(tmp_path: Path) -> None:
     assert "error: ValueError: x: bad" in text and "torch.compile failed: BackendCompilerFailed" in text
 
 
-# ------------------------------------------------------------------ issue 53: DB text on a terminal, bad places and paths
+# ------------------------------------------------------------------ DB text on a terminal, bad places and paths
 
 HOSTILE = "Evil\x1b[2J\x1b]0;pwned\x07GPU\nop\tfake row\r\x9b31m\u202e"
 

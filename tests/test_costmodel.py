@@ -585,14 +585,14 @@ def test_leave_one_out_groupnorm_nchw_picks_within_1_5x(sweep_loo):
 
 
 @pytest.mark.quality
-@pytest.mark.xfail(strict=True, reason="issue 11: on the GroupNorm sweeps the model's picks are worse than the "
+@pytest.mark.xfail(strict=True, reason="on the GroupNorm sweeps the model's picks are worse than the "
                    "nearest recorded winner's (geomean); strict: when it passes, make it a plain test")
 def test_leave_one_out_groupnorm_model_no_worse_than_nearest(sweep_loo):
     assert _geo([r.model for r in _gn(sweep_loo)]) <= _geo([r.nearest for r in _gn(sweep_loo)]) + 1e-9
 
 
 @pytest.mark.quality
-@pytest.mark.xfail(strict=True, reason="issue 14: held out, the first-format NHWC 8x320x64x64 sweep's pick is a "
+@pytest.mark.xfail(strict=True, reason="held out, the first-format NHWC 8x320x64x64 sweep's pick is a "
                    "cluster=8 config over 1.5x its best; this pick moves from refit to refit, so a refit that "
                    "passes or fails here needs a look; strict: when it passes, make it a plain test")
 def test_leave_one_out_nhwc_sweep_pick_within_1_5x(sweep_loo):

@@ -299,7 +299,7 @@ def test_two_processes_lose_no_entry(tmp_path: Path) -> None:
     assert no_temp_files(tmp_path, {"db.yaml"})
 
 
-# ------------------------------------------------------------------ issue 16: problem keys (finding 1)
+# ------------------------------------------------------------------ problem keys
 
 BAD_KEYS = ["garbage", "N=-2,C=320,H=8,W=8,G=32,dtype=bf16,layout=nhwc,act=none",
             "N=4,C=320,H=8,W=8,G=32,dtype=int8,layout=nhwc,act=none", "N=4,C=320,H=8,W=8,G=30,dtype=bf16,layout=nhwc",
@@ -368,7 +368,7 @@ def test_malformed_keys_in_the_user_db_do_not_break_dispatch(monkeypatch) -> Non
         ckgen.reload_db()
 
 
-# ------------------------------------------------------------------ issue 16: saving (findings 5, 6)
+# ------------------------------------------------------------------ saving
 
 
 def test_save_with_a_busy_lock_keeps_its_entries_in_a_side_file(tmp_path: Path, monkeypatch) -> None:
@@ -503,7 +503,7 @@ def test_shipped_db_reads_the_same_with_both_loaders(monkeypatch) -> None:
     assert InstanceDB.load(path) == fast and len(fast) > 0
 
 
-# ------------------------------------------------------------------ issue 16: hostile YAML (finding 8)
+# ------------------------------------------------------------------ hostile YAML
 
 
 def _bomb(levels: int, value: str) -> str:
@@ -564,7 +564,7 @@ def test_a_small_alias_structure_in_an_entry_is_skipped_with_a_bounded_reason(tm
         assert len(InstanceDB.load(path).skipped) == 2
 
 
-# ------------------------------------------------------------------ issue 16: a corrupt user DB (finding 9)
+# ------------------------------------------------------------------ a corrupt user DB
 
 
 def test_corrupt_user_db_warns_once_and_the_shipped_db_is_used(tmp_path: Path, monkeypatch) -> None:
@@ -622,7 +622,7 @@ def test_corrupt_user_db_does_not_break_dispatch(monkeypatch, tmp_path: Path) ->
     assert settings.user_db_path().read_text() == "- not\n- a DB\n"
 
 
-# ------------------------------------------------------------------ issue 53: merges into a live DB, links, special files
+# ------------------------------------------------------------------ merges into a live DB, links, special files
 
 
 def _merge(*argv: str) -> int:

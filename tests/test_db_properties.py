@@ -1,7 +1,7 @@
 """Hypothesis properties of the instance DB (ckgen.db): entries round-trip through the file
 byte-stably with either YAML backend; the merge rule holds over any sequence of saves; any
 document, however malformed, loads as a DB (bad entries skipped) or is refused as corrupt with
-a bounded message, never another exception (issue 16)."""
+a bounded message, never another exception."""
 from __future__ import annotations
 
 import datetime as dt

@@ -151,7 +151,7 @@ def test_nearest_skips_entries_invalid_for_the_problem(d: Dispatcher) -> None:
 
 def test_neighbour_with_float_or_bool_config_values_is_skipped(d: Dispatcher) -> None:
     """threads: 1024.0 / min_blocks: true in a DB entry compare equal to the space's ints; the
-    nearest path took them and rendered `constexpr int BLOCK = 1024.0;` (issue 16, finding 7)."""
+    nearest path took them and rendered `constexpr int BLOCK = 1024.0;`."""
     near = problem(N=4)
     bad_threads = X.replace(threads=float(X["threads"]))
     bad_blocks = Y.replace(min_blocks=bool(Y["min_blocks"])) if Y["min_blocks"] == 1 else \

@@ -192,7 +192,7 @@ def test_cli_generate_and_check(tmp_path, capsys):
     assert cli.main(["generate", "--target", "sm_99x"]) == 2
 
 
-# ------------------------------------------------------------------ what generate may remove (issue 16, finding 2)
+# ------------------------------------------------------------------ what generate may remove
 
 
 @pytest.mark.parametrize("arch", ["gfx90a/../../../victim", "gfx90a/..", "sm_90/../x", "../sm_90", "sm_90 ",

@@ -1,6 +1,6 @@
 """Argument checking of the Problem classes (GroupNormProblem, the pooling problems): every integer
 that reaches a template or becomes an int32 kernel argument is bounded, with a ValueError naming
-the argument (issue 16, finding 3); NumPy integers are ints. Regression cases first, then
+the argument; NumPy integers are ints. Regression cases first, then
 Hypothesis properties over arbitrary (valid and hostile) arguments."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The float64 GroupNorm backward reference against central finite differences of the
-forward reference (issue 3's CPU tier), with and without swish."""
+forward reference, with and without swish."""
 from __future__ import annotations
 
 import numpy as np

@@ -159,7 +159,7 @@ def test_out_of_list_value_is_rejected_naming_it(space: Space, name: str, value:
 @pytest.mark.parametrize("name, value", [("threads", 1024.0), ("threads", 256.0), ("min_blocks", True),
                                          ("cluster", True), ("vec_bytes", 16.0), ("items", "4")])
 def test_value_of_the_wrong_type_is_rejected_even_if_equal(space: Space, name: str, value: object) -> None:
-    """1024.0 == 1024 and True == 1: membership alone let them through (issue 16, finding 7),
+    """1024.0 == 1024 and True == 1: membership alone let them through,
     and the nearest path rendered `constexpr int BLOCK = 1024.0;`."""
     good = space.default.replace(**{name: type(space.default[name])(value)})
     assert space.check(good), "the same value with the space's type is a point of the space"

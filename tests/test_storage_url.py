@@ -1,4 +1,4 @@
-"""Storage URLs in messages (issue 53): `ckgen tune`, `retune` and `db pull` name their --storage
+"""Storage URLs in messages: `ckgen tune`, `retune` and `db pull` name their --storage
 in errors and progress lines; no password of it may show, whatever the URL and whichever layer
 (ckgen, SQLAlchemy, optuna, the driver) wrote the message."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Concurrent tuners on one SQLite study storage (issue 16, finding 4), with replayed timings and
+"""Concurrent tuners on one SQLite study storage, with replayed timings and
 real processes: the schema is created under a lock on a fresh file, tuners sharing a study never
 measure one config twice and leave no trial RUNNING, a dead tuner's RUNNING trial is failed after
 the grace period and its config enqueued again (optuna's retry callback) and measured, storage errors have a clear message, and the

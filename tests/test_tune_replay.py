@@ -11,7 +11,7 @@ searches the recorded configs alone (`Sweep.covers`) and the table says so. The 
 backward, NCHW and NHWC, at 2x320x32x32, 2x320x64x64 and 1x256x256x256) cover today's spaces; a
 sweep still being measured ("complete": false) is not replayed.
 
-Target (issue 17): >= 90% of runs within 3% of the best at 40 trials, >= 70% at 20, over all runs.
+Target: >= 90% of runs within 3% of the best at 40 trials, >= 70% at 20, over all runs.
 On every sweep alone it is not met: those are strict xfails, and floors (every run within 6% at 40
 trials, 9% at 20, and >= 75% of the 20-trial runs within 3%) guard against regressions. The
 replays are the quality tier (`python3 -m pytest -m quality`), but for the test of the seeding;

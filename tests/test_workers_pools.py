@@ -1,4 +1,4 @@
-"""Worker processes and the compile pools they own (issue 50): a worker that compiled through the
+"""Worker processes and the compile pools they own: a worker that compiled through the
 real NVRTC compile pool (offline, no GPU; replayed times for the GPU part: tests/wtimes.py's
 CompilingBackend) exits when its work ends. A spawned child leaves through os._exit and never
 runs atexit, so a pool shut down only at exit kept the worker alive forever, and the parent,

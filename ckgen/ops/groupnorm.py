@@ -17,7 +17,7 @@ from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, problem
 ACTIVATIONS = ("none", "swish")
 # slice_in=reload sums each thread's values into fp32 accumulators one after another (NHWC: one
 # per channel, one add per pixel row it walks; NCHW: one per thread). Past a few thousand adds
-# the rounding of that running sum shows in the mean: on the H100 sweep of 1x256x256x256 bf16
+# the rounding of that running sum shows in the mean: on the recorded sweep of 1x256x256x256 bf16
 # NHWC the configs with 32,768 and 65,536 serial adds gave a mean 1.18x and 2.27x over its
 # tolerance (1e-4 + 1e-5|mean|); the float32 emulation (tests/test_groupnorm_accuracy.py) gives
 # 0.67x at 16,384 and 0.23x at 8,192. So no config makes a thread add more than this.

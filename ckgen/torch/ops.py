@@ -89,7 +89,7 @@ class _Op:
     own (PyTorch's C++ fallback runs at the Autograd key), which the formula's forward runs.
     Graphs traced by torch.compile/AOTAutograd therefore hold `.kernel`, and a compiled graph's
     call skips the Python autograd kernel that an eager call of `.default` needs: measured on
-    the H100's host (torch 2.11), a tiny max pool forward cost 22.5 us a call with the C++
+    a GPU host, a tiny max pool forward cost 22.5 us a call with the C++
     fallback and 26.8 us with the Python kernel; a no-op kernel 10.9 and 14.7 us.
 
     Why not `torch.library.custom_op`: its kernels run inside per-call Python wrappers. Measured on
@@ -338,8 +338,8 @@ def _pool_not_served(op_name: str, x: Tensor, k: tuple, s: tuple, p: tuple, d: O
                      extra: tuple) -> Optional[str]:
     """`_not_served` for a pooling op, cached by the arguments as the op received them (the
     sizes as tuples, `extra` the op's other fields as (name, value) pairs): a repeated call
-    builds no field dicts or pairs (`_not_served` with `_pool_fields` cost 2.8 us a call on the
-    H100's host). Kept in `_served` too (under keys of their own), so that clearing it forgets
+    builds no field dicts or pairs (`_not_served` with `_pool_fields` cost 2.8 us a call on a
+    GPU host). Kept in `_served` too (under keys of their own), so that clearing it forgets
     both."""
     key = (_pool_not_served, op_name, x.dtype, x.shape, x.stride(), x.get_device(), k, s, p, d, ceil_mode, extra)
     hit = _served.get(key, False)

@@ -1,4 +1,4 @@
-"""GPU tier: `ckgen tune --workers 2` end to end on the device (issue 50). Two worker processes
+"""GPU tier: `ckgen tune --workers 2` end to end on the device. Two worker processes
 (placed round-robin on the visible GPUs: both on GPU 0 where there is one GPU), 4 small GroupNorm
 backward problems, 6 trials each, a fresh kernel cache (every candidate compiles in the workers'
 NVRTC pools) and fresh SQLite storage, the whole command under a time bound: a worker that never

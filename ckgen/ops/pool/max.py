@@ -180,7 +180,7 @@ class MaxPool2dBwd(_PoolBwd):
         """An input element gets the sum of the dy of every window whose argmax it is (tie-heavy
         inputs make that common), summed in fp32: for fp32 the rounding error grows with the
         number of windows that can cover one element (`windows_per_element`), as GroupNorm's dgamma/dbeta do with their
-        count. (fp16/bf16 round the fp32 sum once: their rtol dominates.) Found on the H100 by the
+        count. (fp16/bf16 round the fp32 sum once: their rtol dominates.) Found by the
         detection grid: 16x512x20x20 k5 s1 fp32 NHWC, 25 windows, failed every config at 1.1x
         the fixed tolerance."""
         t = self.tolerance(p.dtype, output)

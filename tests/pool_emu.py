@@ -9,6 +9,7 @@ against the float64 reference on machines with no GPU.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import hashlib
 import os
@@ -16,7 +17,9 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -105,6 +108,7 @@ def compiler() -> str | None:
 _cache: dict[str, ctypes.CDLL] = {}
 FLAGS = ["-std=c++17", "-O1", "-fPIC", "-pthread", "-w"]
 _shim_pch: dict[str, list[str] | None] = {}
+_shim_lock = threading.Lock()
 
 
 def _shim_flags(cc: str, folder: Path) -> list[str] | None:
@@ -112,6 +116,11 @@ def _shim_flags(cc: str, folder: Path) -> list[str] | None:
     headers it includes are most of an emulator build), or None where it cannot be built: then
     SHIM is written into the source. clang: -include-pch; g++: -include of the header beside
     its .gch."""
+    with _shim_lock:
+        return _shim_flags_locked(cc, folder)
+
+
+def _shim_flags_locked(cc: str, folder: Path) -> list[str] | None:
     if cc not in _shim_pch:
         clang = "clang" in Path(cc).name
         key = hashlib.sha256("\0".join([cc, *FLAGS, SHIM]).encode()).hexdigest()[:16]
@@ -119,7 +128,7 @@ def _shim_flags(cc: str, folder: Path) -> list[str] | None:
         pch = folder / f"shim-{key}.h.{'pch' if clang else 'gch'}"
         if not pch.is_file():
             header.write_text(SHIM)
-            tmp = folder / f"shim-{key}.{os.getpid()}.tmp"
+            tmp = folder / f"shim-{key}.{os.getpid()}-{threading.get_ident()}.tmp"
             r = subprocess.run([cc, *FLAGS, "-x", "c++-header", str(header), "-o", str(tmp)], capture_output=True)
             if r.returncode == 0:
                 os.replace(tmp, pch)
@@ -149,15 +158,24 @@ def build(op: OpSpec, problem, config: Config) -> tuple[ctypes.CDLL, list]:
         if not so.is_file():
             cc = compiler()
             shim = _shim_flags(cc, d)
-            cpp = d / f"{digest}.cpp"
+            mine = f"{os.getpid()}-{threading.get_ident()}"  # another thread or process may build it too
+            cpp = d / f"{digest}.{mine}.cpp"
             cpp.write_text(body if shim is not None else SHIM + body)
-            tmp = d / f"{digest}.{os.getpid()}.so"
+            tmp = d / f"{digest}.{mine}.so"
             r = subprocess.run([cc, *FLAGS, *(shim or []), "-shared", "-o", str(tmp), str(cpp)],
                                capture_output=True, text=True)
             assert r.returncode == 0, f"{src.name}: emulator build failed\n{r.stderr[-3000:]}"
             os.replace(tmp, so)
+            cpp.unlink()
         lib = _cache[digest] = ctypes.CDLL(str(so))
     return lib, list(launches)
+
+
+def prebuild(jobs: list[tuple[OpSpec, Any, Config]]) -> None:
+    """Build the emulators of these (op, problem, config) at once, one compiler per core (it runs
+    outside the GIL), so that the runs after them find them built."""
+    with cf.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as ex:
+        list(ex.map(lambda j: build(*j), jobs))
 
 
 def run(op: OpSpec, problem, config: Config, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

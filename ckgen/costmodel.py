@@ -771,6 +771,15 @@ class _Lattice:
         kinds = [{type(v) for v in vals} for vals in self.values]
         self._arrays = ([np.array(vals) for vals in self.values]
                         if all(k == {int} or k == {str} for k in kinds) else None)
+        # decoding a code in Python ints: (stride, radix, values) per knob, and per knob of a
+        # Config's sorted items (name, stride, radix, values)
+        self._digits = [(int(st), int(r), vals) for st, r, vals in zip(self.strides, self.radix, self.values)]
+        self._items = [(self.names[i], *self._digits[i]) for i in self._sorted]
+        # the space's constraints, asked with the knobs' values in the space's order (a code's
+        # values are the space's own, so its value checks hold): `Space.check` without a Config
+        compiled = getattr(space, "_memo", {}).get("compiled")
+        self._failing = (compiled.first_failing if compiled is not None and list(compiled.names) == list(self.names)
+                         else None)
 
     def encode_all(self, configs: Sequence[Config]) -> list[int] | None:
         """The codes of `configs`, None if one is not exactly a point of the product (a knob missing
@@ -800,8 +809,7 @@ class _Lattice:
     def config(self, code: int) -> Config:
         c = self._configs.get(code)
         if c is None:
-            digits = [(code // int(st)) % int(r) for st, r in zip(self.strides, self.radix)]
-            c = self._configs[code] = Config(tuple((self.names[i], self.values[i][digits[i]]) for i in self._sorted))
+            c = self._configs[code] = Config(tuple([(n, vals[code // st % r]) for n, st, r, vals in self._items]))
         return c
 
     def first_unseen(self, codes: np.ndarray, visited: np.ndarray) -> np.ndarray:
@@ -836,8 +844,15 @@ class _Lattice:
     def space_points(self, codes: np.ndarray) -> np.ndarray:
         """The codes that are points of the space (constraints hold), in order."""
         state = self.in_space[codes]
-        for code in codes[state < 0].tolist():
-            self.in_space[code] = 1 if self.space.check(self.config(code)) else 0
+        unknown = codes[state < 0].tolist()
+        if unknown:
+            failing, digits = self._failing, self._digits
+            if failing is None:
+                for code in unknown:
+                    self.in_space[code] = 1 if self.space.check(self.config(code)) else 0
+            else:
+                self.in_space[unknown] = [failing(*[vals[code // st % r] for st, r, vals in digits]) < 0
+                                          for code in unknown]
         return codes[self.in_space[codes] == 1]
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as _dt
-import hashlib
 import importlib.resources
 import json
 import math
@@ -55,6 +54,8 @@ from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 
 import filelock
 import yaml
+
+from . import parsecache
 
 SCHEMA_VERSION = 1
 LOCK_TIMEOUT_S = 60.0
@@ -587,56 +588,27 @@ def _yaml_where(e: yaml.YAMLError) -> str:
 # Reading the packaged DB (~1 MB, ~1,300 entries) costs about half a second of CPU: libyaml
 # parses it, but PyYAML's constructor and the entries' checks (every problem key parsed by its
 # op) are Python. So `_read` keeps what it read from a file of at least PARSED_MIN_BYTES (its
-# entries, as checked, the reasons of its malformed items and those items) as JSON in
-# `<cache dir>/db-parsed/<key>.json`, read back in a few ms. The key is the sha256 of the
-# file's bytes and of what interprets them (ckgen's sources, PyYAML's version, the loader), so
-# a file changed in one byte, or read by another ckgen, has another key: a corrupt file is
-# never one (nothing is cached from a read that failed), and the YAML file stays the one
-# source of truth. A cache file is written atomically and only when every value survives JSON
-# as it is; one that is unreadable or fails the structural check (`_parsed_contents`) is
-# ignored (and replaced by the next read). Nothing of the cache is ever a reason to refuse a file.
+# entries, as checked, the reasons of its malformed items and those items) in the parse cache
+# (ckgen/parsecache.py: keyed by the file's bytes and ckgen's sources, PyYAML's version and the
+# loader), read back in ~20 ms. A corrupt file has no cache file (nothing is kept from a read
+# that failed), and a changed one has another key. Kept only when every value survives JSON as
+# it is; a cache file that fails the structural check (`_parsed_contents`) is ignored (and
+# replaced by the read that parses). Nothing of the cache is ever a reason to refuse a file.
 
 PARSED_FORMAT = "ckgen-db-parsed"
 PARSED_VERSION = 1
 PARSED_MIN_BYTES = 64 * 1024  # smaller files (under ~90 entries) parse in under ~30 ms
-PARSED_KEEP = 16  # cache files kept; a write removes the least recently written beyond these
 _ENTRY_FIELDS = 13  # a cached entry's row: see _entry_row
-_sources_digest: list[bytes] = []  # ckgen's sources' sha256, computed once per process
 
 
 def _parsed_dir() -> Path:
-    from . import settings
-
-    return settings.cache_dir() / "db-parsed"
-
-
-def _code_digest() -> bytes:
-    """The sha256 of ckgen's Python sources (relative path and bytes of each, in path order):
-    what interprets a DB file (the entries' checks, the ops' problem keys). Empty if unreadable."""
-    if not _sources_digest:
-        h = hashlib.sha256()
-        root = Path(__file__).resolve().parent
-        try:
-            for f in sorted(root.rglob("*.py")):
-                h.update(f.relative_to(root).as_posix().encode() + b"\0")
-                data = f.read_bytes()
-                h.update(len(data).to_bytes(8, "little") + data)
-            _sources_digest.append(h.digest())
-        except OSError:
-            _sources_digest.append(b"")
-    return _sources_digest[0]
+    return parsecache.folder("db")
 
 
 def _parsed_key(raw: bytes) -> str | None:
     """The cache key of a file's bytes as this ckgen reads them; None: no cache."""
-    code = _code_digest()
-    if not code:
-        return None
-    h = hashlib.sha256(f"{PARSED_FORMAT} {PARSED_VERSION} {yaml.__version__} "
-                       f"{_LOADER.__module__}.{_LOADER.__qualname__}\0".encode())
-    h.update(code)
-    h.update(raw)
-    return h.hexdigest()
+    return parsecache.key("db", raw, PARSED_FORMAT, str(PARSED_VERSION), yaml.__version__,
+                          f"{_LOADER.__module__}.{_LOADER.__qualname__}")
 
 
 def _entry_row(e: Entry) -> list[Any]:
@@ -698,10 +670,9 @@ def _parsed_get(raw: bytes) -> _Contents | None:
         return None
     try:
         key = _parsed_key(raw)
-        if key is None:
-            return None
-        return _parsed_contents(json.loads(_read_bounded(_parsed_dir() / f"{key}.json")), key)
-    except Exception:  # noqa: BLE001 - missing, unreadable, not JSON, too deep, not ours: not used
+        data = parsecache.read("db", key) if key is not None else None
+        return _parsed_contents(json.loads(data), key) if data is not None else None
+    except Exception:  # noqa: BLE001 - not JSON, too deep, not ours: not used
         return None
 
 
@@ -736,40 +707,10 @@ def _parsed_put(raw: bytes, contents: _Contents) -> None:
         key = _parsed_key(raw)
         if key is None:
             return
-        text = json.dumps({"format": PARSED_FORMAT, "version": PARSED_VERSION, "key": key,
-                           "entries": [_entry_row(e) for e in contents.entries],
-                           "skipped": contents.skipped, "malformed": contents.malformed},
-                          ensure_ascii=True, separators=(",", ":"))
-        folder = _parsed_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_temp(folder, ".parsed-")
-        try:
-            with os.fdopen(fd, "w", encoding="ascii") as f:
-                fd = -1
-                f.write(text)
-            os.replace(tmp, folder / f"{key}.json")
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            tmp.unlink(missing_ok=True)
-        _prune_parsed(folder)
-
-
-def _prune_parsed(folder: Path) -> None:
-    """Keep the PARSED_KEEP most recently written cache files; remove the others and temp files
-    of writers that died (an hour old)."""
-    now, files = time.time(), []
-    for n in os.listdir(folder):
-        f = folder / n
-        with contextlib.suppress(OSError):
-            mtime = f.stat().st_mtime
-            if n.endswith(".json"):
-                files.append((mtime, f))
-            elif n.endswith(".tmp") and now - mtime > 3600:
-                f.unlink()
-    for _, f in sorted(files, reverse=True)[PARSED_KEEP:]:
-        with contextlib.suppress(OSError):
-            f.unlink()
+        parsecache.write("db", key, json.dumps({"format": PARSED_FORMAT, "version": PARSED_VERSION, "key": key,
+                                                "entries": [_entry_row(e) for e in contents.entries],
+                                                "skipped": contents.skipped, "malformed": contents.malformed},
+                                               ensure_ascii=True, separators=(",", ":")))
 
 
 def _side_files(path: Path) -> list[Path]:

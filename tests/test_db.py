@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckgen import db
+from ckgen import db, parsecache
 from ckgen.db import DBCorruptError, DBError, DBWarning, Entry, InstanceDB
 from ckgen.ops import get_op
 
@@ -969,7 +969,7 @@ def test_an_unusable_cache_folder_does_not_stop_a_load(tmp_path: Path, monkeypat
 
 
 def test_the_cache_keeps_its_newest_files(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(db, "PARSED_KEEP", 3)
+    monkeypatch.setattr(parsecache, "KEEP", 3)
     for i in range(5):
         _big_db(tmp_path / "db.yaml", n=160 + i)
         InstanceDB.load(tmp_path / "db.yaml")

@@ -66,9 +66,13 @@ def key(kind: str, raw: bytes, *reader: str) -> str | None:
 
 
 def read(kind: str, k: str) -> bytes | None:
-    """The bytes of the cache file of key k, None if there is none or it cannot be read as a
-    regular file of at most MAX_BYTES (opened without blocking: a FIFO put there waits for no one)."""
-    path = folder(kind) / f"{k}.json"
+    """The bytes of the cache file of key k, None if there is none or it cannot be read (`read_file`)."""
+    return read_file(folder(kind) / f"{k}.json")
+
+
+def read_file(path: Path) -> bytes | None:
+    """The bytes of the file at `path`, None if there is none or it cannot be read as a regular
+    file of at most MAX_BYTES (opened without blocking: a FIFO put there waits for no one)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(path, flags)
@@ -93,20 +97,26 @@ def read(kind: str, k: str) -> bytes | None:
 
 
 def write(kind: str, k: str, text: str) -> None:
-    """Keep `text` (ASCII) as the cache file of key k: a temp file renamed into place. Best
-    effort: any error leaves the cache as it was."""
+    """Keep `text` (ASCII) as the cache file of key k (`write_file`)."""
     with contextlib.suppress(Exception):
-        where = folder(kind)
+        write_file(folder(kind), f"{k}.json", text.encode("ascii"))
+
+
+def write_file(where: Path, name: str, data: bytes, keep: int | None = None) -> None:
+    """Keep `data` as the file `name` (ending in .json or .cache) in the folder `where`: a temp
+    file renamed into place, then the folder pruned to its `keep` (default KEEP) most recently
+    written such files. Best effort: any error leaves the folder as it was."""
+    with contextlib.suppress(Exception):
         where.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".parsed-", suffix=".tmp", dir=where)
-        tmp = Path(name)
+        fd, tmpname = tempfile.mkstemp(prefix=".parsed-", suffix=".tmp", dir=where)
+        tmp = Path(tmpname)
         try:
-            with os.fdopen(fd, "w", encoding="ascii") as f:
-                f.write(text)
-            os.replace(tmp, where / f"{k}.json")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, where / name)
         finally:
             tmp.unlink(missing_ok=True)
-        _prune(where)
+        _prune(where, KEEP if keep is None else keep)
 
 
 def forget(kind: str, k: str) -> None:
@@ -115,17 +125,17 @@ def forget(kind: str, k: str) -> None:
         (folder(kind) / f"{k}.json").unlink()
 
 
-def _prune(where: Path) -> None:
-    """Keep the KEEP most recently written cache files; remove the others and dead writers' temp files."""
+def _prune(where: Path, keep: int) -> None:
+    """Keep the `keep` most recently written cache files; remove the others and dead writers' temp files."""
     now, files = time.time(), []
     for n in os.listdir(where):
         f = where / n
         with contextlib.suppress(OSError):
             mtime = f.stat().st_mtime
-            if n.endswith(".json"):
+            if n.endswith((".json", ".cache")):
                 files.append((mtime, f))
             elif n.endswith(".tmp") and now - mtime > STALE_TEMP_S:
                 f.unlink()
-    for _, f in sorted(files, reverse=True)[KEEP:]:
+    for _, f in sorted(files, reverse=True)[keep:]:
         with contextlib.suppress(OSError):
             f.unlink()

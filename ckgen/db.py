@@ -26,7 +26,7 @@ Contract (see docs/architecture.md, "Instance database"):
     into a folder where no file can be created, is refused up front (DBPathError).
   - What a file of at least PARSED_MIN_BYTES holds, as read and checked, is kept in a parse
     cache (`<cache dir>/db-parsed/`, JSON) keyed by the sha256 of the file's bytes and of ckgen's
-    sources: a later load of the same bytes by the same ckgen takes it from there (~20 ms for the
+    sources: a later load of the same bytes by the same ckgen takes it from there (~10 ms for the
     packaged DB instead of ~0.5 s). A changed or corrupt file never matches a cache file; a cache
     file that is unreadable or fails its structural check is ignored. The YAML stays the source.
   - `merge_into` (`ckgen db merge -o`) merges into the destination as a save does: under its
@@ -40,6 +40,7 @@ import contextlib
 import csv
 import datetime as _dt
 import importlib.resources
+import itertools
 import json
 import math
 import os
@@ -590,15 +591,21 @@ def _yaml_where(e: yaml.YAMLError) -> str:
 # op) are Python. So `_read` keeps what it read from a file of at least PARSED_MIN_BYTES (its
 # entries, as checked, the reasons of its malformed items and those items) in the parse cache
 # (ckgen/parsecache.py: keyed by the file's bytes and ckgen's sources, PyYAML's version and the
-# loader), read back in ~20 ms. A corrupt file has no cache file (nothing is kept from a read
+# loader), read back in ~10 ms. A corrupt file has no cache file (nothing is kept from a read
 # that failed), and a changed one has another key. Kept only when every value survives JSON as
 # it is; a cache file that fails the structural check (`_parsed_contents`) is ignored (and
 # replaced by the read that parses). Nothing of the cache is ever a reason to refuse a file.
+#
+# The entries are kept by column (`_entry_columns`): one list per field, and a config or
+# provenance as the index of its key list (in a table of the distinct ones) and a list of its
+# values. So the JSON holds few objects, and each check runs over a whole column.
 
 PARSED_FORMAT = "ckgen-db-parsed"
-PARSED_VERSION = 1
+PARSED_VERSION = 2
 PARSED_MIN_BYTES = 64 * 1024  # smaller files (under ~90 entries) parse in under ~30 ms
-_ENTRY_FIELDS = 13  # a cached entry's row: see _entry_row
+_TEXT_FIELDS = ("op", "vendor", "arch", "device", "problem", "instance", "source_sha256")
+_NUMBER_FIELDS = ("time_us", "gbps", "default_time_us")  # finite floats; then spread: one or None
+_ENTRY_NAMES = (*_TEXT_FIELDS, *_NUMBER_FIELDS, "spread", "config", "provenance")
 
 
 def _parsed_dir() -> Path:
@@ -611,45 +618,93 @@ def _parsed_key(raw: bytes) -> str | None:
                           f"{_LOADER.__module__}.{_LOADER.__qualname__}")
 
 
-def _entry_row(e: Entry) -> list[Any]:
-    return [e.op, e.vendor, e.arch, e.device, e.problem, dict(e.config), e.instance, e.source_sha256,
-            e.time_us, e.gbps, e.default_time_us, dict(e.provenance), e.spread]
+def _pairs_columns(pairs: list[tuple[tuple[str, Any], ...]]) -> list[Any]:
+    """Configs or provenances as [key lists, each one's key list index, each one's values]."""
+    tables: dict[tuple[str, ...], int] = {}
+    of, values = [], []
+    for p in pairs:
+        of.append(tables.setdefault(tuple(k for k, _ in p), len(tables)))
+        values.append([v for _, v in p])
+    return [[list(k) for k in tables], of, values]
+
+
+def _entry_columns(entries: list[Entry]) -> dict[str, Any]:
+    return {"n": len(entries),
+            "text": [[getattr(e, f) for e in entries] for f in _TEXT_FIELDS],
+            "numbers": [[getattr(e, f) for e in entries] for f in (*_NUMBER_FIELDS, "spread")],
+            "config": _pairs_columns([e.config for e in entries]),
+            "provenance": _pairs_columns([e.provenance for e in entries])}
 
 
 _CONFIG_TYPES = frozenset((str, int, float, bool))  # what `_pairs` lets into a config, as JSON has them
 _PROVENANCE_TYPES = _CONFIG_TYPES | {type(None)}
 
 
-def _pairs_of_row(value: Any, allowed: frozenset[type]) -> tuple[tuple[str, Any], ...]:
-    """A cached config or provenance: a mapping (JSON's keys are str) in key order, as `_pairs`
-    leaves them, of values of the allowed types."""
-    if type(value) is not dict:
-        raise ValueError("pairs")
-    out = tuple(value.items())
-    keys = list(value)
-    if not all(type(v) in allowed for v in value.values()) or not all(a < b for a, b in zip(keys, keys[1:])):
-        raise ValueError("pairs")
-    return out
+def _column(value: Any, n: int, types: frozenset[type]) -> list[Any]:
+    """A cached column: a list of n values of these types; ValueError if not."""
+    if type(value) is not list or len(value) != n or not set(map(type, value)) <= types:
+        raise ValueError("column")
+    return value
 
 
-def _entry_of_row(row: Any) -> Entry:
-    """A cached entry, checked for its structure (types, finite numbers); ValueError if not.
-    Built without Entry's own checks (which parse the problem key): the key says that this ckgen
-    checked the entry when it wrote the row."""
-    if type(row) is not list or len(row) != _ENTRY_FIELDS:
-        raise ValueError("row")
-    op, vendor, arch, device, problem, config, instance, sha, t, gbps, default_t, prov, spread = row
-    if not all(type(s) is str and s for s in (op, vendor, arch, device, problem, instance, sha)):
-        raise ValueError("text")
-    if not all(type(x) is float and math.isfinite(x) for x in (t, gbps, default_t)) or not (
-            spread is None or (type(spread) is float and math.isfinite(spread))):
+def _finite(column: list[float]) -> list[float]:
+    if not all(map(math.isfinite, column)):
         raise ValueError("number")
-    e = object.__new__(Entry)
-    e.__dict__.update(op=op, vendor=vendor, arch=arch, device=device, problem=problem,
-                      config=_pairs_of_row(config, _CONFIG_TYPES), instance=instance, source_sha256=sha,
-                      time_us=t, gbps=gbps, default_time_us=default_t,
-                      provenance=_pairs_of_row(prov, _PROVENANCE_TYPES), spread=spread)
-    return e
+    return column
+
+
+_STR, _FLOAT, _INT, _LIST = frozenset((str,)), frozenset((float,)), frozenset((int,)), frozenset((list,))
+
+
+def _pairs_of_columns(value: Any, n: int, allowed: frozenset[type]) -> list[tuple[tuple[str, Any], ...]]:
+    """Cached configs or provenances (`_pairs_columns`): each as `_pairs` leaves it, keys in
+    strictly increasing order (JSON's keys are str), values of the allowed types; ValueError if not."""
+    if type(value) is not list or len(value) != 3:
+        raise ValueError("pairs")
+    tables, of, values = value
+    if type(tables) is not list:
+        raise ValueError("pairs")
+    keys = []
+    for k in tables:
+        _column(k, len(k) if type(k) is list else -1, _STR)
+        if not all(a < b for a, b in zip(k, k[1:])):
+            raise ValueError("pairs")
+        keys.append(tuple(k))
+    _column(of, n, _INT)
+    _column(values, n, _LIST)
+    if of and not 0 <= min(of) <= max(of) < len(keys):
+        raise ValueError("pairs")
+    sizes = [len(k) for k in keys]
+    if list(map(len, values)) != [sizes[i] for i in of]:
+        raise ValueError("pairs")
+    if not set(map(type, itertools.chain.from_iterable(values))) <= allowed:
+        raise ValueError("pairs")
+    return [tuple(zip(keys[i], v)) for i, v in zip(of, values)]
+
+
+def _entries_of_columns(doc: dict[str, Any]) -> list[Entry]:
+    """Cached entries, checked for their structure (types, non-empty text, finite numbers);
+    ValueError if not. Built without Entry's own checks (which parse the problem key): the key
+    says that this ckgen checked the entries when it wrote the columns."""
+    n, text, numbers = doc.get("n"), doc.get("text"), doc.get("numbers")
+    if type(n) is not int or n < 0 or type(text) is not list or type(numbers) is not list:
+        raise ValueError("columns")
+    if len(text) != len(_TEXT_FIELDS) or len(numbers) != len(_NUMBER_FIELDS) + 1:
+        raise ValueError("columns")
+    columns = [_column(c, n, _STR) for c in text]
+    if not all(map(all, columns)):  # no empty string
+        raise ValueError("text")
+    columns += [_finite(_column(c, n, _FLOAT)) for c in numbers[:-1]]
+    spread = _column(numbers[-1], n, _FLOAT | {type(None)})
+    _finite([x for x in spread if x is not None])
+    columns += [spread, _pairs_of_columns(doc.get("config"), n, _CONFIG_TYPES),
+                _pairs_of_columns(doc.get("provenance"), n, _PROVENANCE_TYPES)]
+    new, out = object.__new__, []
+    for row in zip(*columns):
+        e = new(Entry)
+        e.__dict__.update(zip(_ENTRY_NAMES, row))
+        out.append(e)
+    return out
 
 
 def _parsed_contents(doc: Any, key: str) -> _Contents:
@@ -658,10 +713,10 @@ def _parsed_contents(doc: Any, key: str) -> _Contents:
             or doc.get("key") != key):
         raise ValueError("header")
     entries, skipped, malformed = doc.get("entries"), doc.get("skipped"), doc.get("malformed")
-    if (type(entries) is not list or type(skipped) is not list or type(malformed) is not list
+    if (type(entries) is not dict or type(skipped) is not list or type(malformed) is not list
             or len(skipped) != len(malformed) or not all(type(s) is str for s in skipped)):
         raise ValueError("lists")
-    return _Contents([_entry_of_row(r) for r in entries], skipped, malformed)
+    return _Contents(_entries_of_columns(entries), skipped, malformed)
 
 
 def _parsed_get(raw: bytes) -> _Contents | None:
@@ -708,7 +763,7 @@ def _parsed_put(raw: bytes, contents: _Contents) -> None:
         if key is None:
             return
         parsecache.write("db", key, json.dumps({"format": PARSED_FORMAT, "version": PARSED_VERSION, "key": key,
-                                                "entries": [_entry_row(e) for e in contents.entries],
+                                                "entries": _entry_columns(contents.entries),
                                                 "skipped": contents.skipped, "malformed": contents.malformed},
                                                ensure_ascii=True, separators=(",", ":")))
 

@@ -898,8 +898,12 @@ def test_a_changed_or_corrupted_db_is_never_read_from_the_cache(tmp_path: Path) 
     assert len(InstanceDB.load(path)) == 160
 
 
-@pytest.mark.parametrize("spoil", ["not json", "truncated", "deep", "wrong key", "nan time", "bad config",
-                                   "unsorted config", "short row", "empty op", "skipped count", "directory"])
+SPOILS = ["not json", "truncated", "deep", "wrong key", "nan time", "bad config", "unsorted config", "short column",
+          "empty op", "skipped count", "directory", "int text", "count", "spread text", "config index", "config size",
+          "provenance list", "keys not a list", "no columns", "row format"]
+
+
+@pytest.mark.parametrize("spoil", SPOILS)
 def test_a_spoiled_cache_file_is_ignored(tmp_path: Path, monkeypatch, spoil: str) -> None:
     """A cache file that is unreadable or fails the structural check is not used: the YAML is
     parsed (and the cache file rewritten where it can be)."""
@@ -911,7 +915,8 @@ def test_a_spoiled_cache_file_is_ignored(tmp_path: Path, monkeypatch, spoil: str
     InstanceDB.load(path)
     [cached] = _parsed_files()
     doc = json.loads(cached.read_text())
-    row = doc["entries"][3]
+    cols = doc["entries"]
+    text, numbers, (config_keys, config_of, config_values) = cols["text"], cols["numbers"], cols["config"]
     if spoil == "not json":
         cached.write_text("{]")
     elif spoil == "truncated":
@@ -925,21 +930,56 @@ def test_a_spoiled_cache_file_is_ignored(tmp_path: Path, monkeypatch, spoil: str
         if spoil == "wrong key":
             doc["key"] = "0" * 64
         elif spoil == "nan time":
-            row[8] = float("nan")
+            numbers[0][3] = float("nan")
         elif spoil == "bad config":
-            row[5]["threads"] = [128]
+            config_values[3][config_keys[config_of[3]].index("threads")] = [128]
         elif spoil == "unsorted config":
-            row[5] = dict(reversed(list(row[5].items())))
-        elif spoil == "short row":
-            del row[-1]
+            config_keys[config_of[3]].reverse()
+        elif spoil == "short column":
+            del text[4][-1]
         elif spoil == "empty op":
-            row[0] = ""
+            text[0][3] = ""
         elif spoil == "skipped count":
             doc["skipped"].append("entries[9]: made up")
+        elif spoil == "int text":
+            text[6][3] = 7
+        elif spoil == "count":
+            cols["n"] += 1
+        elif spoil == "spread text":
+            numbers[-1][3] = "0.1"
+        elif spoil == "config index":
+            config_of[3] = len(config_keys)
+        elif spoil == "config size":
+            config_values[3].append(1)
+        elif spoil == "provenance list":
+            cols["provenance"][2][3] = [[1]]
+        elif spoil == "keys not a list":
+            config_keys[config_of[3]] = "threads"
+        elif spoil == "no columns":
+            del cols["numbers"]
+        elif spoil == "row format":  # the entries as rows of their fields
+            doc["entries"] = [list(r) for r in zip(*text)]
         cached.write_text(json.dumps(doc))
+        with pytest.raises(ValueError):
+            db._parsed_contents(json.loads(cached.read_text()), cached.stem)
     assert repr(db._read(path)) == want
     if spoil != "directory":  # rewritten by the read that parsed
         assert repr(db._parsed_contents(json.loads(cached.read_text()), cached.stem)) == want
+
+
+def test_the_cache_holds_the_entries_by_column(tmp_path: Path) -> None:
+    """One list per field, a config or provenance as its key list's index and its values: the
+    JSON holds a few objects per entry, not one per config item (it loads in a few ms)."""
+    import json
+
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    InstanceDB.load(path)
+    [cached] = _parsed_files()
+    cols = json.loads(cached.read_text())["entries"]
+    assert cols["n"] == 160 and cols["text"][0] == [e.op for e in InstanceDB.load(path)]
+    keys, of, values = cols["config"]
+    assert keys == [["threads", "vec_bytes"]] and of == [0] * 160 and values[0] == [128, 16]
 
 
 def test_the_cache_follows_the_loader_and_skips_what_json_would_change(tmp_path: Path, monkeypatch) -> None:

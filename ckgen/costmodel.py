@@ -55,6 +55,7 @@ ckgen/data/costmodel.json. A missing or corrupt file gives one warning and no mo
 dispatcher then serves the nearest tuned problem's winner, as before. Nothing here imports CuPy."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -62,7 +63,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -770,6 +771,15 @@ class _Lattice:
         kinds = [{type(v) for v in vals} for vals in self.values]
         self._arrays = ([np.array(vals) for vals in self.values]
                         if all(k == {int} or k == {str} for k in kinds) else None)
+        # decoding a code in Python ints: (stride, radix, values) per knob, and per knob of a
+        # Config's sorted items (name, stride, radix, values)
+        self._digits = [(int(st), int(r), vals) for st, r, vals in zip(self.strides, self.radix, self.values)]
+        self._items = [(self.names[i], *self._digits[i]) for i in self._sorted]
+        # the space's constraints, asked with the knobs' values in the space's order (a code's
+        # values are the space's own, so its value checks hold): `Space.check` without a Config
+        compiled = getattr(space, "_memo", {}).get("compiled")
+        self._failing = (compiled.first_failing if compiled is not None and list(compiled.names) == list(self.names)
+                         else None)
 
     def encode_all(self, configs: Sequence[Config]) -> list[int] | None:
         """The codes of `configs`, None if one is not exactly a point of the product (a knob missing
@@ -799,8 +809,7 @@ class _Lattice:
     def config(self, code: int) -> Config:
         c = self._configs.get(code)
         if c is None:
-            digits = [(code // int(st)) % int(r) for st, r in zip(self.strides, self.radix)]
-            c = self._configs[code] = Config(tuple((self.names[i], self.values[i][digits[i]]) for i in self._sorted))
+            c = self._configs[code] = Config(tuple([(n, vals[code // st % r]) for n, st, r, vals in self._items]))
         return c
 
     def first_unseen(self, codes: np.ndarray, visited: np.ndarray) -> np.ndarray:
@@ -835,8 +844,15 @@ class _Lattice:
     def space_points(self, codes: np.ndarray) -> np.ndarray:
         """The codes that are points of the space (constraints hold), in order."""
         state = self.in_space[codes]
-        for code in codes[state < 0].tolist():
-            self.in_space[code] = 1 if self.space.check(self.config(code)) else 0
+        unknown = codes[state < 0].tolist()
+        if unknown:
+            failing, digits = self._failing, self._digits
+            if failing is None:
+                for code in unknown:
+                    self.in_space[code] = 1 if self.space.check(self.config(code)) else 0
+            else:
+                self.in_space[unknown] = [failing(*[vals[code // st % r] for st, r, vals in digits]) < 0
+                                          for code in unknown]
         return codes[self.in_space[codes] == 1]
 
 
@@ -1293,12 +1309,181 @@ def load() -> CostModel | None:
         try:
             if key[1] < 0:
                 raise ModelError("the file is missing")
-            model = CostModel.from_doc(json.loads(path.read_text(encoding="utf-8")))
+            raw = path.read_bytes()
+            model = _parsed_get(raw, path)
+            if model is None:
+                doc = json.loads(raw.decode("utf-8"))
+                model = CostModel.from_doc(doc)
+                _parsed_put(raw, doc)
         except (ModelError, OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             model = None
             _warn_once(path, e)
         _loaded[key] = model
         return model
+
+
+# The parse cache (ckgen/parsecache.py) of a model file: reading the packaged one costs ~60 ms
+# of CPU (json of ~250,000 numbers, then the residual tables' checks), and an unseen problem's
+# pick needs the residual table of its op alone. So what a model file of at least
+# PARSED_MIN_BYTES holds is kept as the document less its residual tables (read and checked by
+# `from_doc` as from the file) and each op's table packed (its index and residual lists as
+# little-endian arrays in base64, the rest as JSON text), unpacked and checked (`_residuals_ok`,
+# as `from_doc` checks it) when the op is first asked about (`_PackedTables`). A table that
+# fails its check there is taken from the model file instead (parsed whole, once) and the cache
+# file is removed. Kept only when the unpacked tables are the file's exactly (value kinds too).
+PARSED_FORMAT = "ckgen-costmodel-parsed"
+PARSED_VERSION = 1
+PARSED_MIN_BYTES = 64 * 1024
+_TABLE_KEYS = ("knobs", "problems", "configs", "problem", "config", "residual")
+
+
+def _parsed_key(raw: bytes) -> str | None:
+    from . import parsecache
+
+    return parsecache.key("model", raw, PARSED_FORMAT, str(PARSED_VERSION))
+
+
+def _pack(xs: list, dtype: str) -> str:
+    import base64
+
+    return base64.b64encode(np.asarray(xs, dtype=dtype).tobytes()).decode("ascii")
+
+
+def _unpack(text: Any, dtype: str, n: int) -> list:
+    import base64
+
+    if type(text) is not str:
+        raise ValueError("not packed")
+    a = np.frombuffer(base64.b64decode(text, validate=True), dtype=dtype)
+    if len(a) != n:
+        raise ValueError("length")
+    return a.tolist()
+
+
+def _index_dtype(n: int) -> str:
+    return "<u2" if n <= 0xFFFF else "<u4"
+
+
+def _packed_table(t: dict[str, Any]) -> dict[str, Any] | None:
+    """One residual table packed, None if unpacking would not give it back exactly."""
+    if set(t) != set(_TABLE_KEYS) or len(t["problems"]) > 0xFFFFFFFF or len(t["configs"]) > 0xFFFFFFFF:
+        return None
+    if not (all(type(x) is int for x in t["problem"]) and all(type(x) is int for x in t["config"])
+            and all(type(x) is float for x in t["residual"])):
+        return None
+    return {"knobs": t["knobs"], "problems": json.dumps(t["problems"], separators=(",", ":")),
+            "configs": json.dumps(t["configs"], separators=(",", ":")), "n": len(t["residual"]),
+            "problem": _pack(t["problem"], _index_dtype(len(t["problems"]))),
+            "config": _pack(t["config"], _index_dtype(len(t["configs"]))),
+            "residual": _pack(t["residual"], "<f8")}
+
+
+def _unpacked_table(p: Any) -> dict[str, Any]:
+    """A packed table back, checked as `from_doc` checks one; ValueError if it fails."""
+    if type(p) is not dict or type(p.get("n")) is not int or type(p.get("problems")) is not str \
+            or type(p.get("configs")) is not str:
+        raise ValueError("packed table")
+    problems, configs, n = json.loads(p["problems"]), json.loads(p["configs"]), p["n"]
+    if type(problems) is not list or type(configs) is not list:
+        raise ValueError("packed table")
+    t = {"knobs": p.get("knobs"), "problems": problems, "configs": configs,
+         "problem": _unpack(p.get("problem"), _index_dtype(len(problems)), n),
+         "config": _unpack(p.get("config"), _index_dtype(len(configs)), n),
+         "residual": _unpack(p.get("residual"), "<f8", n)}
+    if not _residuals_ok(t):
+        raise ValueError("residual table")
+    return t
+
+
+class _PackedTables(Mapping):
+    """A model's residual tables (op -> table) from the parse cache, each unpacked and checked
+    when first asked for; a table that fails is taken from the model file instead."""
+
+    def __init__(self, packed: dict[str, Any], path: Path, key: str) -> None:
+        self._packed, self._path, self._key = packed, path, key
+        self._tables: dict[str, dict[str, Any]] = {}
+        self._spoiled: dict[str, dict[str, Any]] | None = None  # the file's tables, once one failed
+        self._lock = threading.Lock()
+
+    def __getitem__(self, op: str) -> dict[str, Any]:
+        t = self._tables.get(op)
+        if t is None:
+            with self._lock:
+                t = self._tables.get(op)
+                if t is None:
+                    t = self._tables[op] = self._unpacked(op)
+        return t
+
+    def _unpacked(self, op: str) -> dict[str, Any]:
+        packed = self._packed[op]  # KeyError: no table of this op
+        if self._spoiled is None:
+            try:
+                return _unpacked_table(packed)
+            except Exception:  # noqa: BLE001 - a spoiled cache file: the model file's tables instead
+                from . import parsecache
+
+                parsecache.forget("model", self._key)
+                self._spoiled = self._file_tables()
+        return self._spoiled[op]
+
+    def _file_tables(self) -> dict[str, dict[str, Any]]:
+        """The model file's residual tables (its bytes still those of the key), checked by from_doc."""
+        try:
+            raw = self._path.read_bytes()
+            if _parsed_key(raw) != self._key:
+                raise ModelError("the file changed since it was read")
+            tables = CostModel.from_doc(json.loads(raw.decode("utf-8"))).residuals
+        except (ModelError, OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ModelError(f"its residual tables cannot be read again ({str(e)[:200]})") from None
+        if set(tables) != set(self._packed):
+            raise ModelError("its residual tables cannot be read again (the file changed)")
+        return tables
+
+    def __iter__(self):
+        return iter(self._packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+
+def _parsed_get(raw: bytes, path: Path) -> CostModel | None:
+    """The model of these bytes from the parse cache (None: not there, or spoiled)."""
+    if len(raw) < PARSED_MIN_BYTES:
+        return None
+    from . import parsecache
+
+    try:
+        key = _parsed_key(raw)
+        data = parsecache.read("model", key) if key is not None else None
+        if data is None:
+            return None
+        doc = json.loads(data)
+        if (type(doc) is not dict or doc.get("format") != PARSED_FORMAT or doc.get("version") != PARSED_VERSION
+                or doc.get("key") != key or type(doc.get("head")) is not dict or type(doc.get("tables")) is not dict
+                or "residuals" in doc["head"]):
+            return None
+        model = CostModel.from_doc(doc["head"])
+        model.residuals = _PackedTables(doc["tables"], path, key)
+        return model
+    except Exception:  # noqa: BLE001 - not JSON, too deep, a head from_doc refuses: not used
+        return None
+
+
+def _parsed_put(raw: bytes, doc: dict[str, Any]) -> None:
+    """Keep the model document `doc` (read from `raw`, accepted by from_doc) in the parse cache."""
+    if len(raw) < PARSED_MIN_BYTES:
+        return
+    from . import parsecache
+
+    with contextlib.suppress(Exception):
+        key = _parsed_key(raw)
+        tables = {op: _packed_table(t) for op, t in (doc.get("residuals") or {}).items()}
+        if key is None or any(t is None for t in tables.values()):
+            return
+        head = {k: v for k, v in doc.items() if k != "residuals"}
+        parsecache.write("model", key, json.dumps({"format": PARSED_FORMAT, "version": PARSED_VERSION, "key": key,
+                                                   "head": head, "tables": tables},
+                                                  ensure_ascii=True, separators=(",", ":")))
 
 
 def _warn_once(path: Path | None, e: Exception) -> None:

@@ -24,6 +24,11 @@ Contract (see docs/architecture.md, "Instance database"):
     blocks forever or without bound. A DB path that is a symlink is read, written and locked
     as its target (the link stays a link); a save to something that is not a regular file, or
     into a folder where no file can be created, is refused up front (DBPathError).
+  - What a file of at least PARSED_MIN_BYTES holds, as read and checked, is kept in a parse
+    cache (`<cache dir>/db-parsed/`, JSON) keyed by the sha256 of the file's bytes and of ckgen's
+    sources: a later load of the same bytes by the same ckgen takes it from there (~10 ms for the
+    packaged DB instead of ~0.5 s). A changed or corrupt file never matches a cache file; a cache
+    file that is unreadable or fails its structural check is ignored. The YAML stays the source.
   - `merge_into` (`ckgen db merge -o`) merges into the destination as a save does: under its
     lock, re-reading it, so what others save meanwhile is kept, and so are its malformed items.
 
@@ -35,6 +40,8 @@ import contextlib
 import csv
 import datetime as _dt
 import importlib.resources
+import itertools
+import json
 import math
 import os
 import reprlib
@@ -48,6 +55,8 @@ from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 
 import filelock
 import yaml
+
+from . import parsecache
 
 SCHEMA_VERSION = 1
 LOCK_TIMEOUT_S = 60.0
@@ -427,19 +436,27 @@ class _Contents:
     malformed: list[Any]  # those items as read, written back verbatim by a save
 
 
-def _read(path: Path) -> _Contents:
+def _read(path: Path, keep: bool = True) -> _Contents:
     """The entries of the file at `path` and its malformed items; DBCorruptError if the
-    file as a whole is unusable. A missing or empty file has no entries."""
+    file as a whole is unusable. A missing or empty file has no entries. What a large file
+    holds comes from the parse cache when it has the file's bytes, else it is parsed (and kept
+    there unless not `keep`: a writer's read, of a file it replaces)."""
     try:
         raw = _read_bounded(path)
     except FileNotFoundError:
         return _Contents([], [], [])
     except OSError as e:  # unreadable (permissions, a broken link, ...)
         raise DBCorruptError(path, f"cannot be read ({e.strerror or e.__class__.__name__})") from None
+    cached = _parsed_get(raw)
+    if cached is not None:
+        return cached
     try:
-        return _interpret(path, _parse(path, raw))
+        contents = _interpret(path, _parse(path, raw))
     except (RecursionError, MemoryError) as e:  # defence in depth: _parse bounds both
         raise DBCorruptError(path, f"too deeply nested or too large to read ({type(e).__name__})") from None
+    if keep:
+        _parsed_put(raw, contents)
+    return contents
 
 
 def _kind(mode: int) -> str:
@@ -567,6 +584,190 @@ def _yaml_where(e: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
+# ----------------------------------------------------------------------------- the parse cache
+#
+# Reading the packaged DB (~1 MB, ~1,300 entries) costs about half a second of CPU: libyaml
+# parses it, but PyYAML's constructor and the entries' checks (every problem key parsed by its
+# op) are Python. So `_read` keeps what it read from a file of at least PARSED_MIN_BYTES (its
+# entries, as checked, the reasons of its malformed items and those items) in the parse cache
+# (ckgen/parsecache.py: keyed by the file's bytes and ckgen's sources, PyYAML's version and the
+# loader), read back in ~10 ms. A corrupt file has no cache file (nothing is kept from a read
+# that failed), and a changed one has another key. Kept only when every value survives JSON as
+# it is; a cache file that fails the structural check (`_parsed_contents`) is ignored (and
+# replaced by the read that parses). Nothing of the cache is ever a reason to refuse a file.
+#
+# The entries are kept by column (`_entry_columns`): one list per field, and a config or
+# provenance as the index of its key list (in a table of the distinct ones) and a list of its
+# values. So the JSON holds few objects, and each check runs over a whole column.
+
+PARSED_FORMAT = "ckgen-db-parsed"
+PARSED_VERSION = 2
+PARSED_MIN_BYTES = 64 * 1024  # smaller files (under ~90 entries) parse in under ~30 ms
+_TEXT_FIELDS = ("op", "vendor", "arch", "device", "problem", "instance", "source_sha256")
+_NUMBER_FIELDS = ("time_us", "gbps", "default_time_us")  # finite floats; then spread: one or None
+_ENTRY_NAMES = (*_TEXT_FIELDS, *_NUMBER_FIELDS, "spread", "config", "provenance")
+
+
+def _parsed_dir() -> Path:
+    return parsecache.folder("db")
+
+
+def _parsed_key(raw: bytes) -> str | None:
+    """The cache key of a file's bytes as this ckgen reads them; None: no cache."""
+    return parsecache.key("db", raw, PARSED_FORMAT, str(PARSED_VERSION), yaml.__version__,
+                          f"{_LOADER.__module__}.{_LOADER.__qualname__}")
+
+
+def _pairs_columns(pairs: list[tuple[tuple[str, Any], ...]]) -> list[Any]:
+    """Configs or provenances as [key lists, each one's key list index, each one's values]."""
+    tables: dict[tuple[str, ...], int] = {}
+    of, values = [], []
+    for p in pairs:
+        of.append(tables.setdefault(tuple(k for k, _ in p), len(tables)))
+        values.append([v for _, v in p])
+    return [[list(k) for k in tables], of, values]
+
+
+def _entry_columns(entries: list[Entry]) -> dict[str, Any]:
+    return {"n": len(entries),
+            "text": [[getattr(e, f) for e in entries] for f in _TEXT_FIELDS],
+            "numbers": [[getattr(e, f) for e in entries] for f in (*_NUMBER_FIELDS, "spread")],
+            "config": _pairs_columns([e.config for e in entries]),
+            "provenance": _pairs_columns([e.provenance for e in entries])}
+
+
+_CONFIG_TYPES = frozenset((str, int, float, bool))  # what `_pairs` lets into a config, as JSON has them
+_PROVENANCE_TYPES = _CONFIG_TYPES | {type(None)}
+
+
+def _column(value: Any, n: int, types: frozenset[type]) -> list[Any]:
+    """A cached column: a list of n values of these types; ValueError if not."""
+    if type(value) is not list or len(value) != n or not set(map(type, value)) <= types:
+        raise ValueError("column")
+    return value
+
+
+def _finite(column: list[float]) -> list[float]:
+    if not all(map(math.isfinite, column)):
+        raise ValueError("number")
+    return column
+
+
+_STR, _FLOAT, _INT, _LIST = frozenset((str,)), frozenset((float,)), frozenset((int,)), frozenset((list,))
+
+
+def _pairs_of_columns(value: Any, n: int, allowed: frozenset[type]) -> list[tuple[tuple[str, Any], ...]]:
+    """Cached configs or provenances (`_pairs_columns`): each as `_pairs` leaves it, keys in
+    strictly increasing order (JSON's keys are str), values of the allowed types; ValueError if not."""
+    if type(value) is not list or len(value) != 3:
+        raise ValueError("pairs")
+    tables, of, values = value
+    if type(tables) is not list:
+        raise ValueError("pairs")
+    keys = []
+    for k in tables:
+        _column(k, len(k) if type(k) is list else -1, _STR)
+        if not all(a < b for a, b in zip(k, k[1:])):
+            raise ValueError("pairs")
+        keys.append(tuple(k))
+    _column(of, n, _INT)
+    _column(values, n, _LIST)
+    if of and not 0 <= min(of) <= max(of) < len(keys):
+        raise ValueError("pairs")
+    sizes = [len(k) for k in keys]
+    if list(map(len, values)) != [sizes[i] for i in of]:
+        raise ValueError("pairs")
+    if not set(map(type, itertools.chain.from_iterable(values))) <= allowed:
+        raise ValueError("pairs")
+    return [tuple(zip(keys[i], v)) for i, v in zip(of, values)]
+
+
+def _entries_of_columns(doc: dict[str, Any]) -> list[Entry]:
+    """Cached entries, checked for their structure (types, non-empty text, finite numbers);
+    ValueError if not. Built without Entry's own checks (which parse the problem key): the key
+    says that this ckgen checked the entries when it wrote the columns."""
+    n, text, numbers = doc.get("n"), doc.get("text"), doc.get("numbers")
+    if type(n) is not int or n < 0 or type(text) is not list or type(numbers) is not list:
+        raise ValueError("columns")
+    if len(text) != len(_TEXT_FIELDS) or len(numbers) != len(_NUMBER_FIELDS) + 1:
+        raise ValueError("columns")
+    columns = [_column(c, n, _STR) for c in text]
+    if not all(map(all, columns)):  # no empty string
+        raise ValueError("text")
+    columns += [_finite(_column(c, n, _FLOAT)) for c in numbers[:-1]]
+    spread = _column(numbers[-1], n, _FLOAT | {type(None)})
+    _finite([x for x in spread if x is not None])
+    columns += [spread, _pairs_of_columns(doc.get("config"), n, _CONFIG_TYPES),
+                _pairs_of_columns(doc.get("provenance"), n, _PROVENANCE_TYPES)]
+    new, out = object.__new__, []
+    for row in zip(*columns):
+        e = new(Entry)
+        e.__dict__.update(zip(_ENTRY_NAMES, row))
+        out.append(e)
+    return out
+
+
+def _parsed_contents(doc: Any, key: str) -> _Contents:
+    """The cache file's contents, checked for their structure; ValueError if not."""
+    if (type(doc) is not dict or doc.get("format") != PARSED_FORMAT or doc.get("version") != PARSED_VERSION
+            or doc.get("key") != key):
+        raise ValueError("header")
+    entries, skipped, malformed = doc.get("entries"), doc.get("skipped"), doc.get("malformed")
+    if (type(entries) is not dict or type(skipped) is not list or type(malformed) is not list
+            or len(skipped) != len(malformed) or not all(type(s) is str for s in skipped)):
+        raise ValueError("lists")
+    return _Contents(_entries_of_columns(entries), skipped, malformed)
+
+
+def _parsed_get(raw: bytes) -> _Contents | None:
+    """What `_read` read from these bytes before, if a cache file holds it (else None)."""
+    if len(raw) < PARSED_MIN_BYTES:
+        return None
+    try:
+        key = _parsed_key(raw)
+        data = parsecache.read("db", key) if key is not None else None
+        return _parsed_contents(json.loads(data), key) if data is not None else None
+    except Exception:  # noqa: BLE001 - not JSON, too deep, not ours: not used
+        return None
+
+
+def _json_exact(value: Any) -> bool:
+    """Does `value` come back from JSON as it is: dicts with str keys, lists, str, int, float,
+    bool and None only, no container twice (YAML aliases share one; JSON would copy it)."""
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        t = type(v)
+        if t is dict:
+            if id(v) in seen or not all(type(k) is str for k in v):
+                return False
+            seen.add(id(v))
+            todo.extend(v.values())
+        elif t is list:
+            if id(v) in seen:
+                return False
+            seen.add(id(v))
+            todo.extend(v)
+        elif t not in (str, int, float, bool, type(None)):
+            return False
+    return True
+
+
+def _parsed_put(raw: bytes, contents: _Contents) -> None:
+    """Keep what `_read` read from `raw` in the cache (best effort: never an error)."""
+    if len(raw) < PARSED_MIN_BYTES or not _json_exact(contents.malformed):
+        return
+    with contextlib.suppress(Exception):
+        key = _parsed_key(raw)
+        if key is None:
+            return
+        parsecache.write("db", key, json.dumps({"format": PARSED_FORMAT, "version": PARSED_VERSION, "key": key,
+                                                "entries": _entry_columns(contents.entries),
+                                                "skipped": contents.skipped, "malformed": contents.malformed},
+                                               ensure_ascii=True, separators=(",", ":")))
+
+
 def _side_files(path: Path) -> list[Path]:
     """The side files of the DB at `path` (`<name>.pending-<pid>-<hex>.yaml`), oldest name first."""
     prefix = f"{path.name}.pending-"
@@ -582,7 +783,7 @@ def _read_pending(path: Path) -> list[tuple[Path, _Contents]]:
     out = []
     for side in _side_files(path):
         try:
-            out.append((side, _read(side)))
+            out.append((side, _read(side, keep=False)))
         except DBCorruptError as e:
             _warn(f"{e} (a side file of {path.name}: not used)")
     return out
@@ -780,7 +981,7 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
             _clean_temps(path)
             pending = _read_pending(path)
             try:
-                contents = _read(path)
+                contents = _read(path, keep=False)
             except DBCorruptError as e:
                 side = _write_side(path, new) if new else None
                 if side is not None:
@@ -819,7 +1020,7 @@ def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
     with _lock(path):
         _clean_temps(path)
         pending = _read_pending(path)
-        contents = _read(path)
+        contents = _read(path, keep=False)
         on_disk = _load(path, contents, pending)
         kept = tuple(e for e in on_disk.entries if not pred(e))
         removed = len(on_disk.entries) - len(kept)
@@ -852,8 +1053,6 @@ def merge_faster(*dbs: InstanceDB, verified: Callable[[Entry], bool] = entry_ver
     """One entry per (op, arch, problem) from several DBs, the same whatever their order: a
     verified entry (`entry_verified`) beats an unverified one, then the faster (`time_us`) wins,
     then the later date; a full tie goes to the entry whose YAML text sorts first."""
-    import json
-
     best: dict[Ident, tuple[Any, Entry]] = {}
     for db in dbs:
         for e in db.entries:
@@ -897,7 +1096,7 @@ def merge_into(path: Path | str, *dbs: InstanceDB,
         with _lock(path):
             _clean_temps(path)
             pending = _read_pending(path)
-            contents = _read(path)
+            contents = _read(path, keep=False)
             # warned about once: by its load as an input if it is one
             on_disk = _load(path, contents, pending, warn=not any(db.path == path for db in dbs))
             merged = merge_faster(on_disk, *dbs, verified=check)

@@ -110,3 +110,66 @@ def test_a_prediction_that_is_not_finite_falls_back_with_one_warning(monkeypatch
         assert costmodel.top_configs(GN, p, SM90, 3, usable) == []
     mine = [w for w in caught if issubclass(w.category, costmodel.ModelWarning)]
     assert len(mine) == 1 and "not finite" in str(mine[0].message)
+
+
+# ------------------------------------------------------------------ the parse cache (issue 53)
+
+
+def _load_fresh(monkeypatch, path) -> costmodel.CostModel:
+    """costmodel.load() of the model file at `path` in a process that has loaded none."""
+    monkeypatch.setenv("CKGEN_MODEL", str(path))
+    monkeypatch.setattr(costmodel, "_loaded", {})
+    return costmodel.load()
+
+
+def _exact(model: costmodel.CostModel) -> str:
+    return json.dumps(model.to_doc(), sort_keys=True)
+
+
+def test_a_model_read_back_from_the_parse_cache_is_the_files(tmp_path, monkeypatch):
+    path = tmp_path / "model.json"
+    path.write_bytes(costmodel.packaged_model_path().read_bytes())
+    first = _load_fresh(monkeypatch, path)
+    assert isinstance(first.residuals, dict)  # parsed from the file, then kept
+    again = _load_fresh(monkeypatch, path)
+    assert isinstance(again.residuals, costmodel._PackedTables) and len(again.residuals) == len(first.residuals)
+    p = GN.parse_problem(N=3, C=96, H=40, W=24, G=24, dtype="fp32", layout="nhwc")
+    configs = GN.space.enumerate()[:200]
+    assert [str(x) for x in again.predict_many(GN, p, configs, SM90)] == \
+        [str(x) for x in first.predict_many(GN, p, configs, SM90)]
+    assert _exact(again) == _exact(first)  # every table, value kinds too
+    path.write_text(path.read_text().replace('"floor_us":', '"floor_us": ', 1))  # other bytes: another key
+    assert isinstance(_load_fresh(monkeypatch, path).residuals, dict)
+
+
+@pytest.mark.parametrize("spoil", ["residual", "configs", "length", "head"])
+def test_a_spoiled_model_cache_file_is_not_used(tmp_path, monkeypatch, spoil):
+    """A packed table that fails its check is taken from the model file (and the cache file
+    removed); a head that from_doc refuses makes the whole cache file unused."""
+    import base64
+
+    from ckgen import parsecache
+
+    path = tmp_path / "model.json"
+    path.write_bytes(costmodel.packaged_model_path().read_bytes())
+    want = _exact(_load_fresh(monkeypatch, path))
+    [cached] = parsecache.folder("model").glob("*.json")
+    doc = json.loads(cached.read_text())
+    table = doc["tables"]["groupnorm_fwd"]
+    if spoil == "residual":
+        res = bytearray(base64.b64decode(table["residual"]))
+        res[0:8] = b"\xff" * 8  # a NaN
+        table["residual"] = base64.b64encode(bytes(res)).decode()
+    elif spoil == "configs":
+        rows = json.loads(table["configs"])
+        rows[0][0] = [1]
+        table["configs"] = json.dumps(rows)
+    elif spoil == "length":
+        table["n"] -= 1
+    else:
+        doc["head"]["weights"][0] = "0.3"
+    cached.write_text(json.dumps(doc))
+    model = _load_fresh(monkeypatch, path)
+    assert _exact(model) == want
+    if spoil != "head":
+        assert not cached.exists()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckgen import db
+from ckgen import db, parsecache
 from ckgen.db import DBCorruptError, DBError, DBWarning, Entry, InstanceDB
 from ckgen.ops import get_op
 
@@ -837,3 +837,190 @@ def test_a_db_file_over_the_size_bound_is_corrupt_not_read(tmp_path: Path, monke
         InstanceDB.load(path)
     monkeypatch.setattr(db, "MAX_FILE_BYTES", size, raising=False)
     assert len(InstanceDB.load(path)) == 5
+
+
+# ------------------------------------------------------------------ the parse cache (issue 53)
+
+
+def _big_db(path: Path, n: int = 160, malformed: list | None = None) -> None:
+    """A DB file over PARSED_MIN_BYTES (n entries of ~500 bytes), with `malformed` items appended."""
+    entries = [make(problem=i, threads=128, vec_bytes=16, time_us=10.0 + i / 7) for i in range(1, n + 1)]
+    text = db._dump(entries, malformed or [])
+    path.write_text(text, encoding="utf-8")
+    assert path.stat().st_size >= db.PARSED_MIN_BYTES
+
+
+def _parsed_files() -> list[Path]:
+    folder = db._parsed_dir()
+    return sorted(folder.glob("*.json")) if folder.is_dir() else []
+
+
+def _read_as_parsed(path: Path, monkeypatch) -> str:
+    """repr of what `_read` makes of the file with the cache out of the way (types exact)."""
+    with monkeypatch.context() as m:
+        m.setattr(db, "_parsed_get", lambda raw: None)
+        m.setattr(db, "_parsed_put", lambda raw, contents: None)
+        return repr(db._read(path))
+
+
+def test_a_large_db_is_read_back_from_the_parse_cache_exactly(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "db.yaml"
+    _big_db(path, malformed=[{"op": "nope", "n": [1, 2.5, True, None, "x"]}, "just text"])
+    want = _read_as_parsed(path, monkeypatch)
+    with pytest.warns(DBWarning, match="skipped 2 entries"):
+        first = InstanceDB.load(path)
+    assert len(first) == 160 and len(_parsed_files()) == 1
+    with monkeypatch.context() as m:
+        m.setattr(db, "_parse", lambda *a: pytest.fail("parsed again"))
+        with pytest.warns(DBWarning, match="skipped 2 entries"):
+            again = InstanceDB.load(path)
+        assert repr(db._read(path)) == want  # value kinds too (1 vs 1.0 vs True)
+    assert again == first and repr(again) == repr(first)
+    # a save writes the malformed items back as read from the cache
+    with pytest.warns(DBWarning):
+        db.save_entries(path, [make(problem=500)])
+    assert yaml.safe_load(path.read_text())["entries"][-2:] == [{"op": "nope", "n": [1, 2.5, True, None, "x"]},
+                                                                "just text"]
+
+
+def test_a_changed_or_corrupted_db_is_never_read_from_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    assert len(InstanceDB.load(path)) == 160 and _parsed_files()
+    text = path.read_text()
+    path.write_text(text.replace("time_us: 10.142857142857142", "time_us: 99.5", 1))  # one value changed
+    assert 99.5 in {e.time_us for e in InstanceDB.load(path)}
+    for corrupt in (text[: len(text) // 2] + "\n  - [", text.replace("schema: 1", "schema: 2"), text + "\0"):
+        path.write_text(corrupt)
+        with pytest.raises(DBCorruptError):
+            InstanceDB.load(path)
+    path.write_text(text)
+    assert len(InstanceDB.load(path)) == 160
+
+
+SPOILS = ["not json", "truncated", "deep", "wrong key", "nan time", "bad config", "unsorted config", "short column",
+          "empty op", "skipped count", "directory", "int text", "count", "spread text", "config index", "config size",
+          "provenance list", "keys not a list", "no columns", "row format"]
+
+
+@pytest.mark.parametrize("spoil", SPOILS)
+def test_a_spoiled_cache_file_is_ignored(tmp_path: Path, monkeypatch, spoil: str) -> None:
+    """A cache file that is unreadable or fails the structural check is not used: the YAML is
+    parsed (and the cache file rewritten where it can be)."""
+    import json
+
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    want = _read_as_parsed(path, monkeypatch)
+    InstanceDB.load(path)
+    [cached] = _parsed_files()
+    doc = json.loads(cached.read_text())
+    cols = doc["entries"]
+    text, numbers, (config_keys, config_of, config_values) = cols["text"], cols["numbers"], cols["config"]
+    if spoil == "not json":
+        cached.write_text("{]")
+    elif spoil == "truncated":
+        cached.write_text(cached.read_text()[:-100])
+    elif spoil == "deep":
+        cached.write_text("[" * 200_000 + "]" * 200_000)
+    elif spoil == "directory":
+        cached.unlink()
+        cached.mkdir()
+    else:
+        if spoil == "wrong key":
+            doc["key"] = "0" * 64
+        elif spoil == "nan time":
+            numbers[0][3] = float("nan")
+        elif spoil == "bad config":
+            config_values[3][config_keys[config_of[3]].index("threads")] = [128]
+        elif spoil == "unsorted config":
+            config_keys[config_of[3]].reverse()
+        elif spoil == "short column":
+            del text[4][-1]
+        elif spoil == "empty op":
+            text[0][3] = ""
+        elif spoil == "skipped count":
+            doc["skipped"].append("entries[9]: made up")
+        elif spoil == "int text":
+            text[6][3] = 7
+        elif spoil == "count":
+            cols["n"] += 1
+        elif spoil == "spread text":
+            numbers[-1][3] = "0.1"
+        elif spoil == "config index":
+            config_of[3] = len(config_keys)
+        elif spoil == "config size":
+            config_values[3].append(1)
+        elif spoil == "provenance list":
+            cols["provenance"][2][3] = [[1]]
+        elif spoil == "keys not a list":
+            config_keys[config_of[3]] = "threads"
+        elif spoil == "no columns":
+            del cols["numbers"]
+        elif spoil == "row format":  # the entries as rows of their fields
+            doc["entries"] = [list(r) for r in zip(*text)]
+        cached.write_text(json.dumps(doc))
+        with pytest.raises(ValueError):
+            db._parsed_contents(json.loads(cached.read_text()), cached.stem)
+    assert repr(db._read(path)) == want
+    if spoil != "directory":  # rewritten by the read that parsed
+        assert repr(db._parsed_contents(json.loads(cached.read_text()), cached.stem)) == want
+
+
+def test_the_cache_holds_the_entries_by_column(tmp_path: Path) -> None:
+    """One list per field, a config or provenance as its key list's index and its values: the
+    JSON holds a few objects per entry, not one per config item (it loads in a few ms)."""
+    import json
+
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    InstanceDB.load(path)
+    [cached] = _parsed_files()
+    cols = json.loads(cached.read_text())["entries"]
+    assert cols["n"] == 160 and cols["text"][0] == [e.op for e in InstanceDB.load(path)]
+    keys, of, values = cols["config"]
+    assert keys == [["threads", "vec_bytes"]] and of == [0] * 160 and values[0] == [128, 16]
+
+
+def test_the_cache_follows_the_loader_and_skips_what_json_would_change(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    InstanceDB.load(path)
+    monkeypatch.setattr(db, "_LOADER", yaml.SafeLoader)  # another reader of the bytes: another key
+    InstanceDB.load(path)
+    assert len(_parsed_files()) == 2
+    # malformed items JSON cannot hold as they are (a date, an int key, an alias) are not cached
+    for item in ({"op": "x", "when": __import__("datetime").date(2026, 1, 2)}, {1: "int key"}):
+        other = tmp_path / f"db{len(_parsed_files())}.yaml"
+        _big_db(other, malformed=[item])
+        with pytest.warns(DBWarning):
+            assert len(InstanceDB.load(other)) == 160
+    assert len(_parsed_files()) == 2
+    shared = {"op": "x"}
+    assert not db._json_exact([shared, shared]) and db._json_exact([{"op": "x"}, {"op": "x"}])
+
+
+def test_an_unusable_cache_folder_does_not_stop_a_load(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    (tmp_path / "not-a-folder").write_text("x")
+    monkeypatch.setenv("CKGEN_CACHE_DIR", str(tmp_path / "not-a-folder"))
+    assert len(InstanceDB.load(path)) == 160 and len(InstanceDB.load(path)) == 160
+
+
+def test_the_cache_keeps_its_newest_files(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(parsecache, "KEEP", 3)
+    for i in range(5):
+        _big_db(tmp_path / "db.yaml", n=160 + i)
+        InstanceDB.load(tmp_path / "db.yaml")
+        os.utime(_parsed_files()[0].parent, None)
+    assert len(_parsed_files()) == 3
+
+
+def test_saves_do_not_fill_the_cache(tmp_path: Path) -> None:
+    """A writer's read is of the file it replaces: not kept."""
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    db.save_entries(path, [make(problem=500)])
+    db.remove_entries(path, lambda e: e.problem == key(500))
+    assert _parsed_files() == []

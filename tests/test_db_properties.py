@@ -187,3 +187,23 @@ def test_any_document_loads_or_is_corrupt_with_a_bounded_message(doc, backend, m
     again = InstanceDB.load(path)
     assert again.entries == after.entries and new in again.entries
     assert len(again.skipped) == len(loaded.skipped), "malformed items are kept for a hand fix"
+
+
+@PROPS
+@given(doc=documents())
+def test_any_document_reads_the_same_from_the_parse_cache(doc, monkeypatch):
+    """What the parse cache gives back for a file is what parsing it gives (value kinds, order
+    and malformed items exactly), or nothing: it is not used."""
+    monkeypatch.setattr(db, "PARSED_MIN_BYTES", 0)
+    path = _fresh()
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True), encoding="utf-8")
+    try:
+        parsed = repr(db._read(path))  # parsed, and kept where JSON holds it exactly
+    except DBCorruptError:
+        event("corrupt")
+        return
+    raw = path.read_bytes()
+    cached = db._parsed_get(raw)
+    event("cached" if cached is not None else "not cached")
+    assert cached is None or repr(cached) == parsed
+    assert repr(db._read(path)) == parsed

@@ -8,6 +8,12 @@ import pytest
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most 8 (each imports torch and NumPy, and the compile
+    tests start compilers of their own)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def pytest_configure(config):
     """One compiled-kernel folder for the whole run (CKGEN_KERNEL_CACHE, unless set already): every
     test gets its own cache dir and DB (`_isolated_db`), but cubins are named by their source's

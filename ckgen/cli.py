@@ -848,7 +848,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from . import library
-    from .ops import get_op
     from .types import Target
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]

@@ -1054,7 +1054,6 @@ class FitData:
         if not keep:
             raise ModelError("no usable record to fit on")
         rows = [self.rows[i] for i in keep]
-        geos = [self.geos[i] for i in keep]
         idx = np.array(keep, dtype=np.intp)
         t_obs, n_l, roof = self.t_obs[idx], self.n_l[idx], self.roof[idx]
         phi_base, log_inflight = self.phi[idx], self.log_inflight[idx]

@@ -223,8 +223,6 @@ def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahe
 def _replay_sweep(path: str, trials: tuple[int, ...], seeds: tuple[int, ...], model: Any) -> tuple[dict, Any]:
     """Every (trials, seed) replay of the sweep at `path`, in a worker process (`replay_sweeps`),
     with `model` as its held-out model (None: fit here); the ratios and that model."""
-    from . import costmodel
-
     sw = load_sweep(path)
     sw.memo["held_out"] = model if model is not None else held_out_model(sw)
     ratios = {t: [replay(sw, t, seed)[0] for seed in seeds] for t in trials}

@@ -407,6 +407,13 @@ class CostModel:
         self.correction = {"tau": CORR_TAU, "prior": CORR_PRIOR, **(correction or {})}
         self._resid_index: dict[str, tuple[list[tuple[str, Problem]], dict[Config, list[tuple[int, float]]]]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a model handed to or from a worker process) without this process's indexes,
+        which hold the op objects they were built for."""
+        state = dict(self.__dict__)
+        state["_winner_configs"], state["_resid_index"] = {}, {}
+        return state
+
     # ---- file form ----
     def to_doc(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "terms": list(TERM_NAMES),

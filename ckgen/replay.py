@@ -175,7 +175,12 @@ class _Remembered:
         self._inner = inner
         self._answers: dict[Any, Any] = {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Remembered, (self._inner,))
+
     def __getattr__(self, name: str) -> Any:
+        if name in ("_inner", "_answers"):  # not set yet (an object being built): no recursion
+            raise AttributeError(name)
         attr = getattr(self._inner, name)
         if name not in self.REMEMBERED:
             return attr

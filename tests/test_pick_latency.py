@@ -333,3 +333,20 @@ def test_first_unseen_picks_of_a_fresh_process_within_budget(tmp_path):
     assert second["made"] == {"templates compiled": 0, "DB files parsed": 0, "model files parsed": 0}
     for name, ms in second["took"].items():
         assert ms < FIRST_MS * SLACK, (name, ms)
+
+
+# ------------------------------------------------------------------ the parse cache's residual tables
+
+
+def test_packed_residual_table_gives_back_its_lists_and_checks_its_arrays():
+    """A residual table through the parse cache's packing: the same lists back (value kinds too),
+    its index and residual arrays beside them, and arrays that `from_doc` would refuse refused."""
+    t = {"knobs": ["a", "b"], "problems": [["sm_90", "p0"], ["sm_80", "p1"]], "configs": [[1, "x"], [2.0, None]],
+         "problem": [0, 1, 1], "config": [1, 0, 1], "residual": [0.5, -1.0, 0.0]}
+    back, arrays = costmodel._unpacked_table(costmodel._packed_table(t))
+    assert back == t and [type(x) for x in back["residual"]] == [float] * 3
+    assert [a.tolist() for a in arrays] == [t["problem"], t["config"], t["residual"]]
+    for bad in ({"problem": [0, 2, 1]}, {"config": [1, 0, 5]}, {"residual": [0.5, math.inf, 0.0]},
+                {"residual": [0.5, 2 * costmodel.MAX_RESIDUAL, 0.0]}):
+        with pytest.raises(ValueError):
+            costmodel._unpacked_table(costmodel._packed_table({**t, **bad}))

@@ -1718,7 +1718,8 @@ def _blocks(op: OpSpec, p: Problem, c: Config, target: Target) -> int:
     return op.main_blocks(p, c, target)
 
 
-def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) -> Config | None:
+def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target,
+                 valid: Callable[[Config], bool] | None = None) -> Config | None:
     """A winner `c` of problem q carried to problem p with its split knob (`SPLIT_KNOBS`) set so
     that p's grid has about as many blocks as q's had: a winner tuned at batch 16 with 8 blocks
     per slice runs 128 blocks there, and at batch 1 the same config would leave most SMs idle
@@ -1733,8 +1734,9 @@ def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) 
     except (ValueError, KeyError, ZeroDivisionError):
         return None
 
-    def valid(cv: Config) -> bool:
-        return bool(op.space.check(cv)) and bool(op.validate(p, cv, target))
+    if valid is None:
+        def valid(cv: Config) -> bool:
+            return bool(op.space.check(cv)) and bool(op.validate(p, cv, target))
 
     # The scan over the knob's values keeps the first valid value whose distance beats the best so
     # far by 1e-9: the valid value of least distance, the earliest of equal ones. It is found by
@@ -1780,12 +1782,45 @@ def carried_winners(op: OpSpec, p: Problem, target: Target, winners: Iterable[tu
     """The `grid_matched` carries to p of (config, its problem's key) winners that have one, in
     their order, distinct: the candidates a winner of another batch size or shape adds beside
     itself (`dispatch_pick` from the DB entries, `tune.model_picks` from the records)."""
+    winners = list(winners)
+    valid = _split_validity(op, p, target, [c for c, _ in winners])
     out: list[Config] = []
     for c, key in winners:
-        g = grid_matched(op, _problem_of(op, key), p, c, target)
+        g = grid_matched(op, _problem_of(op, key), p, c, target, valid)
         if g is not None and g not in out:
             out.append(g)
     return out
+
+
+def _split_validity(op: OpSpec, p: Problem, target: Target,
+                    configs: Sequence[Config]) -> Callable[[Config], bool] | None:
+    """`grid_matched`'s validity test (a point of the space that op.validate accepts for p) of
+    the split variants of `configs`, with the space and class checks of them all made at once on
+    the space's lattice (remembered per process and problem class, as the candidate walk's):
+    then only `op.shape_check` per variant asked. None where the op has no split knob, no class
+    check or a variant is off the lattice (grid_matched then asks validate itself)."""
+    knob = next((k for k in SPLIT_KNOBS if k in op.space.params), None)
+    if knob is None or not configs or op.problem_class(p) is None:
+        return None
+    lat = _lattice(op.space)
+    if lat is None:
+        return None
+    variants = list(dict.fromkeys(_replaced(c, knob, v) for c in configs if c.as_dict().get(knob, 1) > 1
+                                  for v in op.space.params[knob] if v > 1))
+    codes = lat.encode_all(variants)
+    if codes is None:
+        return None
+    admit = _class_filter(op, p, target, lat)
+    ok = set(admit(lat.space_points(np.asarray(codes, dtype=np.int64))).tolist())
+    known = dict(zip(variants, codes))
+
+    def valid(cv: Config) -> bool:
+        code = known.get(cv)
+        if code is None:  # not one of the variants: validate itself
+            return bool(op.space.check(cv)) and bool(op.validate(p, cv, target))
+        return code in ok and bool(op.shape_check(p, cv, target))
+
+    return valid
 
 
 def recorded_winners(records: Iterable[dict[str, Any]], op: OpSpec, arch: str) -> list[tuple[Config, str]]:
@@ -1856,11 +1891,14 @@ def _dispatch_pick(model: CostModel, op: OpSpec, p: Problem, target: Target, ent
                    if e.op == op.name and e.vendor == target.vendor),
                   key=lambda de: (de[0], de[1].arch != target.arch, de[1].problem))
     extra, siblings = [], []
-    for d, e in mine:
-        c = _entry_config(op, e)
+    configs = [(d, e, _entry_config(op, e)) for d, e in mine]
+    valid = _split_validity(op, p, target, [c for _, _, c in configs if c is not None])
+    for d, e, c in configs:
         if c is not None:
             extra.append(c)
-            extra += carried_winners(op, p, target, [(c, e.problem)])
+            g = grid_matched(op, _problem_of(op, e.problem), p, c, target, valid)  # carried_winners of c alone
+            if g is not None:
+                extra.append(g)
             if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
     more = {} if admitted is None else {"admitted": admitted}

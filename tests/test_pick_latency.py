@@ -350,3 +350,21 @@ def test_packed_residual_table_gives_back_its_lists_and_checks_its_arrays():
                 {"residual": [0.5, 2 * costmodel.MAX_RESIDUAL, 0.0]}):
         with pytest.raises(ValueError):
             costmodel._unpacked_table(costmodel._packed_table({**t, **bad}))
+
+
+@pytest.mark.parametrize("name", GN_OPS)
+def test_split_validity_is_validate(model_on, name):
+    """`_split_validity` (the split variants' space and class checks made at once on the lattice)
+    answers as the space's check and validate do, for every variant of the winners' splits."""
+    op = get_op(name)
+    rng = random.Random(f"split {name}")
+    knob = next(k for k in costmodel.SPLIT_KNOBS if k in op.space.params)
+    winners = model_on.winner_configs(op)[:60]
+    for p in _gn_problems(op, rng, 4):
+        for target in (SM90, SM80, GFX):
+            valid = costmodel._split_validity(op, p, target, winners)
+            assert valid is not None
+            for c in winners:
+                for v in op.space.params[knob]:
+                    cv = c.replace(**{knob: v})
+                    assert valid(cv) == (bool(op.space.check(cv)) and bool(op.validate(p, cv, target))), (p.key(), cv)

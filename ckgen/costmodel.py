@@ -695,6 +695,8 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     if codes is None:
         return _walk_configs(op, start, usable, limit)
     admit = _class_filter(op, p, target, lat)
+    whole_step = lat.columns(np.zeros(0, dtype=np.int64)) is not None and \
+        type(op).class_check_many is not OpSpec.class_check_many
     ask = admitted or usable
     ok: list[Config] = []
     near = -1
@@ -703,11 +705,13 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     for step in range(MAX_STEPS + 1):
         nodes = lat.first_unseen(frontier, visited)
         visited[nodes] = True
-        # the class check first, over the whole step (vectorised, remembered per class): it
-        # refuses most of an NCHW walk, whose space checks cost more
-        admitted_nodes = admit(nodes)
-        for lo in range(0, len(admitted_nodes), _CHUNK):  # in chunks: a walk that stops early checks no further
-            for code in lat.space_points(admitted_nodes[lo:lo + _CHUNK]).tolist():
+        # the class check first: it refuses most of an NCHW walk, whose space checks cost more;
+        # over the whole step where the op has its vectorised form (cheap, remembered per class),
+        # else per chunk with the space's checks (a walk that stops early checks no further)
+        walk = admit(nodes) if whole_step else nodes  # `nodes` stay the next step's frontier
+        for lo in range(0, len(walk), _CHUNK):
+            chunk = walk[lo:lo + _CHUNK]
+            for code in lat.space_points(chunk if whole_step else admit(chunk)).tolist():
                 c = lat.config(code)
                 if ask(c):
                     ok.append(c)

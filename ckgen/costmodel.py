@@ -503,7 +503,9 @@ class CostModel:
     def _residual_index(self, op: OpSpec) -> "_ResidualIndex":
         idx = self._resid_index.get(op.name)
         if idx is None:  # `corrections` asks only for an op the table holds
-            idx = self._resid_index[op.name] = _ResidualIndex(op, self.residuals[op.name])
+            table = self.residuals[op.name]
+            arrays = getattr(self.residuals, "arrays", None)  # a parse cache's tables: their arrays too
+            idx = self._resid_index[op.name] = _ResidualIndex(op, table, arrays(op.name) if arrays else None)
         return idx
 
     def corrections(self, op: OpSpec, p: Problem, configs: Sequence[Config], target: Target) -> list[float]:
@@ -590,7 +592,10 @@ class _ResidualIndex:
     every problem and building a Config per table row took ~0.1 s per GroupNorm op, in the first
     unseen problem's pick)."""
 
-    def __init__(self, op: OpSpec, doc: dict[str, Any]) -> None:
+    def __init__(self, op: OpSpec, doc: dict[str, Any],
+                 arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """`arrays`: the table's problem, config and residual lists as arrays, where the reader
+        has them (converting the lists again costs a few ms per GroupNorm op)."""
         self.op = op
         self.knobs = list(doc["knobs"])
         self._knob_set = set(self.knobs)
@@ -602,10 +607,11 @@ class _ResidualIndex:
         canon = np.array([group.setdefault(tuple(row), ci) for ci, row in enumerate(doc["configs"])] or [0],
                          dtype=np.int64)
         self._group = group
-        ci = canon[np.asarray(doc["config"], dtype=np.int64)] if doc["config"] else np.zeros(0, dtype=np.int64)
+        problem, config, residual = arrays if arrays is not None else (doc["problem"], doc["config"], doc["residual"])
+        ci = canon[np.asarray(config, dtype=np.int64)] if len(config) else np.zeros(0, dtype=np.int64)
         order = np.argsort(ci, kind="stable")  # each config's entries in the file's order
-        self._pi = np.asarray(doc["problem"], dtype=np.int64)[order].tolist()
-        self._res = np.asarray(doc["residual"], dtype=np.float64)[order].tolist()
+        self._pi = np.asarray(problem, dtype=np.int64)[order].tolist()
+        self._res = np.asarray(residual, dtype=np.float64)[order].tolist()
         counts = np.bincount(ci, minlength=len(canon))
         self._end = np.cumsum(counts).tolist()
         self._start = (np.cumsum(counts) - counts).tolist()
@@ -689,6 +695,8 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     if codes is None:
         return _walk_configs(op, start, usable, limit)
     admit = _class_filter(op, p, target, lat)
+    whole_step = lat.columns(np.zeros(0, dtype=np.int64)) is not None and \
+        type(op).class_check_many is not OpSpec.class_check_many
     ask = admitted or usable
     ok: list[Config] = []
     near = -1
@@ -697,9 +705,13 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     for step in range(MAX_STEPS + 1):
         nodes = lat.first_unseen(frontier, visited)
         visited[nodes] = True
-        for lo in range(0, len(nodes), _CHUNK):  # in chunks: a walk that stops early checks no further
-            # the class check first: it refuses most of an NCHW walk, whose space checks cost more
-            for code in lat.space_points(admit(nodes[lo:lo + _CHUNK])).tolist():
+        # the class check first: it refuses most of an NCHW walk, whose space checks cost more;
+        # over the whole step where the op has its vectorised form (cheap, remembered per class),
+        # else per chunk with the space's checks (a walk that stops early checks no further)
+        walk = admit(nodes) if whole_step else nodes  # `nodes` stay the next step's frontier
+        for lo in range(0, len(walk), _CHUNK):
+            chunk = walk[lo:lo + _CHUNK]
+            for code in lat.space_points(chunk if whole_step else admit(chunk)).tolist():
                 c = lat.config(code)
                 if ask(c):
                     ok.append(c)
@@ -763,6 +775,15 @@ class _Lattice:
         params = space.params
         self.names = tuple(params)  # `neighbours` steps the knobs in this order
         self.values = tuple(tuple(params[n]) for n in self.names)
+        # per knob, (value kind, value) -> its first index: equal and of the same kind, as
+        # `encode_all` matches a Config's value (1024.0 is not 1024, True is not 1)
+        self._index = []
+        for vals in self.values:
+            index: dict[tuple[type, Any], int] = {}
+            for j, w in enumerate(vals):
+                if w == w:  # a nan equals no value
+                    index.setdefault((type(w), w), j)
+            self._index.append(index)
         self.radix = np.array([len(v) for v in self.values], dtype=np.int64)
         # the last knob varies fastest; code = sum(index_k * stride_k)
         self.strides = np.array([math.prod(len(v) for v in self.values[i + 1:]) for i in range(len(self.values))],
@@ -802,9 +823,12 @@ class _Lattice:
             if len(d) != len(self.names):
                 return None
             code = 0
-            for name, vals, stride in zip(self.names, self.values, self.strides):
+            for name, index, stride in zip(self.names, self._index, self.strides):
                 v = d.get(name, _MISSING)
-                i = next((j for j, w in enumerate(vals) if type(w) is type(v) and w == v), -1)
+                try:
+                    i = index.get((type(v), v), -1)
+                except TypeError:  # unhashable: no knob value
+                    i = -1
                 if i < 0:
                     return None
                 code += i * int(stride)
@@ -1148,9 +1172,10 @@ def _prepare(records: list[dict[str, Any]]) -> tuple[list, list[Geometry]]:
     return rows, geos
 
 
-def _residuals_ok(v: Any) -> bool:
+def _residuals_ok(v: Any, arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> bool:
     """One op's residual table is well formed (indices in range, knob values scalars, residuals
-    finite and within MAX_RESIDUAL)."""
+    finite and within MAX_RESIDUAL). `arrays`: its problem, config and residual lists as integer,
+    integer and float arrays (the parse cache's), checked in their place."""
     keys = ("knobs", "problems", "configs", "problem", "config", "residual")
     if not isinstance(v, dict) or not all(isinstance(v.get(k), list) for k in keys):
         return False
@@ -1160,8 +1185,19 @@ def _residuals_ok(v: Any) -> bool:
             and all(isinstance(q, list) and len(q) == 2 and all(isinstance(x, str) for x in q) for q in v["problems"])
             and all(isinstance(c, list) and len(c) == n_k for c in v["configs"])
             and {type(x) for c in v["configs"] for x in c} <= _KNOB_TYPES
-            and _indices_ok(v["problem"], n_p) and _indices_ok(v["config"], n_c)
-            and _finite_numbers(v["residual"], MAX_RESIDUAL))
+            and (_arrays_ok(arrays, n, n_p, n_c) if arrays is not None else
+                 _indices_ok(v["problem"], n_p) and _indices_ok(v["config"], n_c)
+                 and _finite_numbers(v["residual"], MAX_RESIDUAL)))
+
+
+def _arrays_ok(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], n: int, n_p: int, n_c: int) -> bool:
+    """`_residuals_ok`'s index and residual checks on arrays (problem, config, residual)."""
+    pi, ci, res = arrays
+    if not (pi.dtype.kind in "iu" and ci.dtype.kind in "iu" and res.dtype.kind == "f"
+            and len(pi) == len(ci) == len(res) == n):
+        return False
+    return not n or (int(pi.min()) >= 0 and int(pi.max()) < n_p and int(ci.min()) >= 0 and int(ci.max()) < n_c
+                     and bool(np.isfinite(res).all()) and float(np.abs(res).max()) <= MAX_RESIDUAL)
 
 
 # A knob's value in a model file: what a tuning space holds (None: a knob the config lacks, in
@@ -1355,7 +1391,7 @@ def _pack(xs: list, dtype: str) -> str:
     return base64.b64encode(np.asarray(xs, dtype=dtype).tobytes()).decode("ascii")
 
 
-def _unpack(text: Any, dtype: str, n: int) -> list:
+def _unpack(text: Any, dtype: str, n: int) -> np.ndarray:
     import base64
 
     if type(text) is not str:
@@ -1363,7 +1399,7 @@ def _unpack(text: Any, dtype: str, n: int) -> list:
     a = np.frombuffer(base64.b64decode(text, validate=True), dtype=dtype)
     if len(a) != n:
         raise ValueError("length")
-    return a.tolist()
+    return a
 
 
 def _index_dtype(n: int) -> str:
@@ -1384,21 +1420,24 @@ def _packed_table(t: dict[str, Any]) -> dict[str, Any] | None:
             "residual": _pack(t["residual"], "<f8")}
 
 
-def _unpacked_table(p: Any) -> dict[str, Any]:
-    """A packed table back, checked as `from_doc` checks one; ValueError if it fails."""
+def _unpacked_table(p: Any) -> tuple[dict[str, Any], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A packed table back, checked as `from_doc` checks one, and its problem, config and
+    residual lists as arrays (what `_ResidualIndex` reads); ValueError if it fails. The arrays
+    are checked as they are (unpacked: ints and floats by construction), not as lists again."""
     if type(p) is not dict or type(p.get("n")) is not int or type(p.get("problems")) is not str \
             or type(p.get("configs")) is not str:
         raise ValueError("packed table")
     problems, configs, n = json.loads(p["problems"]), json.loads(p["configs"]), p["n"]
     if type(problems) is not list or type(configs) is not list:
         raise ValueError("packed table")
+    arrays = (_unpack(p.get("problem"), _index_dtype(len(problems)), n),
+              _unpack(p.get("config"), _index_dtype(len(configs)), n),
+              _unpack(p.get("residual"), "<f8", n))
     t = {"knobs": p.get("knobs"), "problems": problems, "configs": configs,
-         "problem": _unpack(p.get("problem"), _index_dtype(len(problems)), n),
-         "config": _unpack(p.get("config"), _index_dtype(len(configs)), n),
-         "residual": _unpack(p.get("residual"), "<f8", n)}
-    if not _residuals_ok(t):
+         "problem": arrays[0].tolist(), "config": arrays[1].tolist(), "residual": arrays[2].tolist()}
+    if not _residuals_ok(t, arrays):
         raise ValueError("residual table")
-    return t
+    return t, arrays
 
 
 class _PackedTables(Mapping):
@@ -1408,6 +1447,7 @@ class _PackedTables(Mapping):
     def __init__(self, packed: dict[str, Any], path: Path, key: str) -> None:
         self._packed, self._path, self._key = packed, path, key
         self._tables: dict[str, dict[str, Any]] = {}
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._spoiled: dict[str, dict[str, Any]] | None = None  # the file's tables, once one failed
         self._lock = threading.Lock()
 
@@ -1420,11 +1460,18 @@ class _PackedTables(Mapping):
                     t = self._tables[op] = self._unpacked(op)
         return t
 
+    def arrays(self, op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Op's table's problem, config and residual lists as arrays (None: its table is the
+        model file's, after a spoiled cache file)."""
+        self[op]
+        return self._arrays.get(op)
+
     def _unpacked(self, op: str) -> dict[str, Any]:
         packed = self._packed[op]  # KeyError: no table of this op
         if self._spoiled is None:
             try:
-                return _unpacked_table(packed)
+                t, self._arrays[op] = _unpacked_table(packed)
+                return t
             except Exception:  # noqa: BLE001 - a spoiled cache file: the model file's tables instead
                 from . import parsecache
 
@@ -1675,7 +1722,8 @@ def _blocks(op: OpSpec, p: Problem, c: Config, target: Target) -> int:
     return op.main_blocks(p, c, target)
 
 
-def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) -> Config | None:
+def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target,
+                 valid: Callable[[Config], bool] | None = None) -> Config | None:
     """A winner `c` of problem q carried to problem p with its split knob (`SPLIT_KNOBS`) set so
     that p's grid has about as many blocks as q's had: a winner tuned at batch 16 with 8 blocks
     per slice runs 128 blocks there, and at batch 1 the same config would leave most SMs idle
@@ -1690,8 +1738,9 @@ def grid_matched(op: OpSpec, q: Problem, p: Problem, c: Config, target: Target) 
     except (ValueError, KeyError, ZeroDivisionError):
         return None
 
-    def valid(cv: Config) -> bool:
-        return bool(op.space.check(cv)) and bool(op.validate(p, cv, target))
+    if valid is None:
+        def valid(cv: Config) -> bool:
+            return bool(op.space.check(cv)) and bool(op.validate(p, cv, target))
 
     # The scan over the knob's values keeps the first valid value whose distance beats the best so
     # far by 1e-9: the valid value of least distance, the earliest of equal ones. It is found by
@@ -1737,12 +1786,45 @@ def carried_winners(op: OpSpec, p: Problem, target: Target, winners: Iterable[tu
     """The `grid_matched` carries to p of (config, its problem's key) winners that have one, in
     their order, distinct: the candidates a winner of another batch size or shape adds beside
     itself (`dispatch_pick` from the DB entries, `tune.model_picks` from the records)."""
+    winners = list(winners)
+    valid = _split_validity(op, p, target, [c for c, _ in winners])
     out: list[Config] = []
     for c, key in winners:
-        g = grid_matched(op, _problem_of(op, key), p, c, target)
+        g = grid_matched(op, _problem_of(op, key), p, c, target, valid)
         if g is not None and g not in out:
             out.append(g)
     return out
+
+
+def _split_validity(op: OpSpec, p: Problem, target: Target,
+                    configs: Sequence[Config]) -> Callable[[Config], bool] | None:
+    """`grid_matched`'s validity test (a point of the space that op.validate accepts for p) of
+    the split variants of `configs`, with the space and class checks of them all made at once on
+    the space's lattice (remembered per process and problem class, as the candidate walk's):
+    then only `op.shape_check` per variant asked. None where the op has no split knob, no class
+    check or a variant is off the lattice (grid_matched then asks validate itself)."""
+    knob = next((k for k in SPLIT_KNOBS if k in op.space.params), None)
+    if knob is None or not configs or op.problem_class(p) is None:
+        return None
+    lat = _lattice(op.space)
+    if lat is None:
+        return None
+    variants = list(dict.fromkeys(_replaced(c, knob, v) for c in configs if c.as_dict().get(knob, 1) > 1
+                                  for v in op.space.params[knob] if v > 1))
+    codes = lat.encode_all(variants)
+    if codes is None:
+        return None
+    admit = _class_filter(op, p, target, lat)
+    ok = set(admit(lat.space_points(np.asarray(codes, dtype=np.int64))).tolist())
+    known = dict(zip(variants, codes))
+
+    def valid(cv: Config) -> bool:
+        code = known.get(cv)
+        if code is None:  # not one of the variants: validate itself
+            return bool(op.space.check(cv)) and bool(op.validate(p, cv, target))
+        return code in ok and bool(op.shape_check(p, cv, target))
+
+    return valid
 
 
 def recorded_winners(records: Iterable[dict[str, Any]], op: OpSpec, arch: str) -> list[tuple[Config, str]]:
@@ -1813,11 +1895,14 @@ def _dispatch_pick(model: CostModel, op: OpSpec, p: Problem, target: Target, ent
                    if e.op == op.name and e.vendor == target.vendor),
                   key=lambda de: (de[0], de[1].arch != target.arch, de[1].problem))
     extra, siblings = [], []
-    for d, e in mine:
-        c = _entry_config(op, e)
+    configs = [(d, e, _entry_config(op, e)) for d, e in mine]
+    valid = _split_validity(op, p, target, [c for _, _, c in configs if c is not None])
+    for d, e, c in configs:
         if c is not None:
             extra.append(c)
-            extra += carried_winners(op, p, target, [(c, e.problem)])
+            g = grid_matched(op, _problem_of(op, e.problem), p, c, target, valid)  # carried_winners of c alone
+            if g is not None:
+                extra.append(g)
             if e.arch == target.arch and d <= NEAREST_DISTANCE + 1e-9:
                 siblings.append((c, e.problem))
     more = {} if admitted is None else {"admitted": admitted}

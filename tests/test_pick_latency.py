@@ -333,3 +333,38 @@ def test_first_unseen_picks_of_a_fresh_process_within_budget(tmp_path):
     assert second["made"] == {"templates compiled": 0, "DB files parsed": 0, "model files parsed": 0}
     for name, ms in second["took"].items():
         assert ms < FIRST_MS * SLACK, (name, ms)
+
+
+# ------------------------------------------------------------------ the parse cache's residual tables
+
+
+def test_packed_residual_table_gives_back_its_lists_and_checks_its_arrays():
+    """A residual table through the parse cache's packing: the same lists back (value kinds too),
+    its index and residual arrays beside them, and arrays that `from_doc` would refuse refused."""
+    t = {"knobs": ["a", "b"], "problems": [["sm_90", "p0"], ["sm_80", "p1"]], "configs": [[1, "x"], [2.0, None]],
+         "problem": [0, 1, 1], "config": [1, 0, 1], "residual": [0.5, -1.0, 0.0]}
+    back, arrays = costmodel._unpacked_table(costmodel._packed_table(t))
+    assert back == t and [type(x) for x in back["residual"]] == [float] * 3
+    assert [a.tolist() for a in arrays] == [t["problem"], t["config"], t["residual"]]
+    for bad in ({"problem": [0, 2, 1]}, {"config": [1, 0, 5]}, {"residual": [0.5, math.inf, 0.0]},
+                {"residual": [0.5, 2 * costmodel.MAX_RESIDUAL, 0.0]}):
+        with pytest.raises(ValueError):
+            costmodel._unpacked_table(costmodel._packed_table({**t, **bad}))
+
+
+@pytest.mark.parametrize("name", GN_OPS)
+def test_split_validity_is_validate(model_on, name):
+    """`_split_validity` (the split variants' space and class checks made at once on the lattice)
+    answers as the space's check and validate do, for every variant of the winners' splits."""
+    op = get_op(name)
+    rng = random.Random(f"split {name}")
+    knob = next(k for k in costmodel.SPLIT_KNOBS if k in op.space.params)
+    winners = model_on.winner_configs(op)[:60]
+    for p in _gn_problems(op, rng, 4):
+        for target in (SM90, SM80, GFX):
+            valid = costmodel._split_validity(op, p, target, winners)
+            assert valid is not None
+            for c in winners:
+                for v in op.space.params[knob]:
+                    cv = c.replace(**{knob: v})
+                    assert valid(cv) == (bool(op.space.check(cv)) and bool(op.validate(p, cv, target))), (p.key(), cv)

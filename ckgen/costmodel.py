@@ -696,7 +696,7 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
         return _walk_configs(op, start, usable, limit)
     admit = _class_filter(op, p, target, lat)
     whole_step = lat.columns(np.zeros(0, dtype=np.int64)) is not None and \
-        type(op).class_check_many is not OpSpec.class_check_many
+        getattr(op.class_check_many, "__func__", None) is not OpSpec.class_check_many  # a wrapped op too
     ask = admitted or usable
     ok: list[Config] = []
     near = -1

@@ -140,6 +140,25 @@ def test_winners_off_the_lattice_take_the_config_walk(model_on):
     assert costmodel._lattice(op.space).encode_all([odd]) is None
 
 
+# ------------------------------------------------------------------ the batched geometry
+@pytest.mark.parametrize("name", [op.name for op in all_ops()])
+def test_geometry_many_is_geometry_exactly(name):
+    """`geometry_many` (what a pick predicts its candidates with) equals the per-config
+    `geometry` bit for bit: the same terms, allocations and logs, on every target and both NCHW
+    backward rules, over random problems and the configs of the space that validate for them."""
+    op = get_op(name)
+    rng = random.Random(hash(name) & 0xFFFF)
+    checked = 0
+    for target in (SM90, SM80, GFX):
+        for p in _problems(op, rng, 8):
+            configs = [c for c in _product_sample(op, 1500, rng) if op.validate(p, c, target)][:60]
+            for narrow in (None, False, True):
+                many = costmodel.geometry_many(op, p, configs, target, narrow_rows=narrow)
+                assert many == [costmodel.geometry(op, p, c, target, narrow_rows=narrow) for c in configs]
+                checked += len(configs)
+    assert checked > 150
+
+
 # ------------------------------------------------------------------ CPU budgets
 
 

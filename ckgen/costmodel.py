@@ -284,6 +284,118 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
                     tuple(phi[n] for n in TERM_NAMES))
 
 
+_T = {n: i for i, n in enumerate(TERM_NAMES)}  # a term's column in Geometry.phi
+
+
+def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Target,
+                  narrow_rows: bool | None = None) -> list[Geometry]:
+    """`geometry` of each config, equal to it exactly (the same expressions in the same order,
+    tests/test_costmodel.py checks): what depends on the problem alone is computed once, phi is
+    filled by column, and a call's only launch is its main one without naming the instance. An
+    unseen problem's pick predicts hundreds of candidates; the per-config overhead was a third
+    of it."""
+    sms = num_sms(target.arch)
+    item = DTYPES[p.dtype]["itemsize"]
+    need_bytes = op.min_bytes(p)
+    name = op.name
+    gn = name.startswith("groupnorm")
+    nhwc = p.layout == "nhwc"
+    streams = 2 if name in ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta") else 1
+    pool_nchw_bwd = not gn and p.layout == "nchw" and name.endswith("_bwd")
+    x_bytes = p.N * p.C * p.H * p.W * item
+    n_out = len(op.output_buffers(p))
+    log_roof = math.log(max(need_bytes, 1) / BW_BYTES_PER_US)
+    narrow_rule = PREDICT_NARROW_ROWS if narrow_rows is None else narrow_rows
+    recompute = RECOMPUTE_REREAD and getattr(p, "indices", "") == "recompute"
+    regs_est = getattr(op, "regs_used", None)
+    vec_col = _T["vec_nchw" if p.layout == "nchw" else "vec_nhwc"]
+    i_cov, i_tail, i_small, i_big, i_threads, i_unroll, i_min = (
+        _T["cov"], _T["tail"], _T["small_work"], _T["big_work"], _T["threads"], _T["unroll"], _T["min_blocks"])
+    i_sector, i_reread, i_split, i_gpb, i_scatter, i_chain = (
+        _T["sector"], _T["reread"], _T["split"], _T["gpb"], _T["scatter"], _T["chain"])
+    n_terms = len(TERM_NAMES)
+    out = []
+    for c in configs:
+        d = c.as_dict()
+        launches = op.launches(p, c, target)
+        main = launches[0] if len(launches) == 1 else _main_launch(op, p, c, launches)
+        blocks = max(1, main.grid[0] * main.grid[1] * main.grid[2])
+        threads = max(1, main.block[0] * main.block[1] * main.block[2])
+        if regs_est is not None:
+            try:
+                regs = max(32, int(regs_est(p, c)))
+            except (KeyError, ValueError, ZeroDivisionError):
+                regs = 32
+        else:
+            regs = _regs(op, p, c)
+        per_sm = max(d.get("min_blocks", 1), min(32, 2048 // threads, 65536 // (threads * regs)))
+        conc = min(blocks, sms * per_sm)
+        unroll = d["items"] if gn else d.get("th", 1) * d.get("tw", 1)
+        if nhwc and (d.get("scheme") == "pipelined" or (d.get("scheme") == "fused" and op.grid_merge(c))):
+            unroll *= 2
+        vec_bytes = d["vec_bytes"]
+        if pool_nchw_bwd:
+            vec_bytes = item * (op.row_vec_elems(p, c) if getattr(op, "x_footprint")(p, c) else 1)
+        per_thread = need_bytes / (blocks * threads)
+        inflight = conc * threads * max(1.0, min(unroll * vec_bytes * streams, per_thread))
+        waves = blocks / (sms * per_sm)
+        phi = [0.0] * n_terms
+        phi[i_cov] = math.log(sms / min(sms, blocks))
+        phi[i_tail] = math.log(math.ceil(waves) / waves) if waves > 1 else 0.0
+        phi[vec_col] = math.log2(16 / max(1, vec_bytes))
+        phi[i_small] = max(0.0, math.log(256 / max(per_thread, 1e-3)))
+        phi[i_big] = max(0.0, math.log(per_thread / 65536))
+        phi[i_threads] = math.log2(threads / 256)
+        phi[i_unroll] = math.log2(max(1, unroll))
+        phi[i_min] = math.log2(d.get("min_blocks", 1))
+        if gn:
+            split = d["cluster"] if d.get("merge") == "cluster" else d.get("global_split", d.get("split", 1))
+            tile = p.C if name == "groupnorm_fwd" and whole_rows(c) else d["groups_per_block"] * p.C // p.G
+            if p.layout == "nchw":
+                run = max(1, p.C // p.G * p.H * p.W // split) * item
+            elif tile < p.C:
+                run = tile * item
+            else:
+                run = max(1, p.H * p.W // split) * p.C * item
+            phi[i_sector] = math.log(32 * (math.ceil(run / 32) + (1 if run % 32 else 0)) / run)
+        if name == "groupnorm_fwd":
+            if d["slice_in"] in ("reload", "rows"):
+                phi[i_reread] = math.log1p(x_bytes / need_bytes)
+            phi[i_split] = math.log2(d["cluster"] if d["merge"] == "cluster" else d["global_split"])
+            if nhwc:
+                phi[i_gpb] = math.log2(p.G if whole_rows(c) else d["groups_per_block"])
+        elif gn:
+            scheme = op.scheme(c)  # type: ignore[attr-defined]
+            if name != "groupnorm_bwd_gamma_beta" and scheme != "single_pass":
+                phi[i_reread] = math.log1p(2 * x_bytes / need_bytes)
+            phi[i_split] = math.log2(d["split"])
+            if nhwc:
+                phi[i_gpb] = math.log2(d["groups_per_block"])
+        elif d.get("algo") == "scatter":
+            phi[i_scatter] = 1.0
+        elif recompute and d.get("algo") == "gather":
+            th, tw = op.tile(c)  # type: ignore[attr-defined]
+            if op.x_footprint(p, c):  # type: ignore[attr-defined]
+                xr, xc = op._x_footprint_dims(p, c)  # type: ignore[attr-defined]
+                reads = xr * xc
+            elif op.aligned_gather(p, c):  # type: ignore[attr-defined]
+                na, nb = op.cover_counts(p, c)  # type: ignore[attr-defined]
+                reads = na * nb * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
+            else:
+                (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride  # type: ignore[attr-defined]
+                reads = -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
+            phi[i_reread] = math.log1p(x_bytes * max(0.0, reads / (th * tw) - 1.0) / need_bytes)
+        if gn and CHAIN:
+            steps = chain_steps(op, p, c, narrow_rule)
+            if steps:
+                ratio = steps * math.ceil(waves) * CHAIN_US / (need_bytes / BW_BYTES_PER_US)
+                phi[i_chain] = math.log1p(ratio) if CHAIN == "sum" else max(0.0, math.log(ratio))
+        ws = op.workspace_bytes(p, c)
+        out.append(Geometry(len(launches), n_out + (1 if ws > KEEP_WS_BYTES else 0), log_roof, math.log(inflight),
+                            tuple(phi)))
+    return out
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -485,7 +597,7 @@ class CostModel:
 
     # ---- prediction ----
     def predict_many(self, op: OpSpec, p: Problem, configs: Sequence[Config], target: Target) -> list[Prediction]:
-        geos = [geometry(op, p, c, target) for c in configs]
+        geos = geometry_many(op, p, configs, target)
         if not geos:
             return []
         phi = _phi_matrix(geos, self.need_bytes)

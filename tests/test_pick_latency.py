@@ -50,6 +50,29 @@ def _pool_problems(op, rng: random.Random, count: int):
     return out
 
 
+def _padded_pools(op, rng: random.Random, count: int):
+    """Pooling problems with padding, dilation and each op's options (`_pool_problems` has none)."""
+    out = []
+    while len(out) < count:
+        k = rng.choice([2, 3, 5, (3, 1), (1, 7)])
+        kh, kw = (k, k) if isinstance(k, int) else k
+        kw_ = dict(N=rng.choice([1, 2]), C=rng.choice([3, 8, 16, 64]), H=rng.randint(9, 90), W=rng.randint(9, 90),
+                   kernel=k, stride=rng.choice([None, 1, 2, 3, (2, 1)]), padding=(rng.randint(0, kh // 2), rng.randint(0, kw // 2)),
+                   dilation=rng.choice([1, 1, 2]), ceil_mode=rng.choice([False, True]),
+                   dtype=rng.choice(["fp32", "fp16", "bf16"]), layout=rng.choice(["nchw", "nhwc"]))
+        if op.name == "maxpool2d_bwd":
+            kw_["indices"] = rng.choice(["stored", "recompute"])
+        elif op.name == "maxpool2d_fwd":
+            kw_["return_indices"] = rng.choice([False, True])
+        else:
+            kw_["count_include_pad"] = rng.choice([False, True])
+        try:
+            out.append(op.parse_problem(**kw_))
+        except (ValueError, TypeError):  # a window the op refuses (padding over half the kernel, ...)
+            continue
+    return out
+
+
 def _problems(op, rng, count):
     return _gn_problems(op, rng, count) if op.name.startswith("groupnorm") else _pool_problems(op, rng, count)
 
@@ -60,7 +83,7 @@ GN_OPS = [op.name for op in all_ops() if op.name.startswith("groupnorm")]
 # ------------------------------------------------------------------ the class checks
 
 
-@pytest.mark.parametrize("name", GN_OPS)
+@pytest.mark.parametrize("name", [op.name for op in all_ops()])
 def test_class_check_many_agrees_with_class_check(name):
     """The walk asks the vectorised form; validate the scalar one (with its reasons): they must
     agree on every point of the product, on every target kind."""
@@ -69,7 +92,7 @@ def test_class_check_many_agrees_with_class_check(name):
     configs = _product_sample(op, 3000, rng)
     lat = costmodel._lattice(op.space)
     codes = np.array(lat.encode_all(configs), dtype=np.int64)
-    for p in _gn_problems(op, rng, 8):
+    for p in (_problems(op, rng, 8) if name in GN_OPS else _pool_problems(op, rng, 30) + _padded_pools(op, rng, 30)):
         for target in (SM90, SM80, GFX):
             many = op.class_check_many(p, lat.columns(codes), target)
             one = [bool(op.class_check(p, c, target)) for c in configs]
@@ -138,6 +161,25 @@ def test_winners_off_the_lattice_take_the_config_walk(model_on):
     got = costmodel.candidate_tiers(op, p, SM90, [odd, *model_on.winner_configs(op)], usable)
     assert got == costmodel._walk_configs(op, start, usable, costmodel.MAX_CANDIDATES)
     assert costmodel._lattice(op.space).encode_all([odd]) is None
+
+
+# ------------------------------------------------------------------ the batched geometry
+@pytest.mark.parametrize("name", [op.name for op in all_ops()])
+def test_geometry_many_is_geometry_exactly(name):
+    """`geometry_many` (what a pick predicts its candidates with) equals the per-config
+    `geometry` bit for bit: the same terms, allocations and logs, on every target and both NCHW
+    backward rules, over random problems and the configs of the space that validate for them."""
+    op = get_op(name)
+    rng = random.Random(hash(name) & 0xFFFF)
+    checked = 0
+    for target in (SM90, SM80, GFX):
+        for p in _problems(op, rng, 8):
+            configs = [c for c in _product_sample(op, 1500, rng) if op.validate(p, c, target)][:60]
+            for narrow in (None, False, True):
+                many = costmodel.geometry_many(op, p, configs, target, narrow_rows=narrow)
+                assert many == [costmodel.geometry(op, p, c, target, narrow_rows=narrow) for c in configs]
+                checked += len(configs)
+    assert checked > 150
 
 
 # ------------------------------------------------------------------ CPU budgets

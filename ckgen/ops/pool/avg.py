@@ -42,6 +42,9 @@ class AvgPool2dFwd(_PoolOp):
         th, tw = self.tile(config)
         return th * tw * self.vec_elems(p, config)  # fp32 sums
 
+    def _acc_words_many(self, p: AvgPoolProblem, k: Mapping[str, np.ndarray], vec: np.ndarray) -> np.ndarray:
+        return k["th"] * k["tw"] * (vec if p.layout == "nhwc" else 1)
+
     def min_bytes(self, p: AvgPoolProblem) -> int:
         item = DTYPES[p.dtype]["itemsize"]
         return (p.numel + p.out_numel) * item

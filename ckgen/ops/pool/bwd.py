@@ -37,6 +37,17 @@ class _PoolBwd(_PoolOp):
             return na * nb * vec * (2 if self.pool == "max" else 1) + 2 * tw * vec + 32 + xfoot
         return th * tw * vec + 4 * vec + 32
 
+    def _regs_needed_many(self, p: PoolProblem, k: Mapping[str, np.ndarray], vec: np.ndarray) -> np.ndarray:
+        """`_regs_needed` on arrays."""
+        th, tw = k["th"], k["tw"]
+        v = vec if p.layout == "nhwc" else 1  # vec_elems
+        na, nb = self._cover_many(p, th, 0, 1), self._cover_many(p, tw, 1, 1)
+        ek = p.eff_kernel
+        xfoot = np.where(self._x_footprint_many(p, k),
+                         ((na - 1) * p.stride[0] + ek[0]) * ((nb - 1) * p.stride[1] + ek[1]), 0)
+        aligned = na * nb * v * (2 if self.pool == "max" else 1) + 2 * tw * v + 32 + xfoot
+        return np.where(self._aligned_many(p, k), aligned, th * tw * v + 4 * v + 32)
+
     def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         main = super().launches(p, config, target)
         if config["algo"] != "scatter":

@@ -44,6 +44,13 @@ class MaxPool2dFwd(_PoolOp):
             vec = config["vec_bytes"] // 4  # the running max stays in packed storage words
         return th * tw * vec * (2 if p.return_indices else 1)  # with indices: a max and an index each
 
+    def _acc_words_many(self, p: MaxPoolFwdProblem, k: Mapping[str, np.ndarray], vec: np.ndarray) -> np.ndarray:
+        vb = k["vec_bytes"]
+        v = vec if p.layout == "nhwc" else 1
+        if p.layout == "nhwc" and not p.return_indices:
+            v = np.where(vb >= 4, vb // 4, v)
+        return k["th"] * k["tw"] * v * (2 if p.return_indices else 1)
+
     def min_bytes(self, p: MaxPoolFwdProblem) -> int:
         item = DTYPES[p.dtype]["itemsize"]
         return p.numel * item + p.out_numel * (item + (8 if p.return_indices else 0))
@@ -141,6 +148,11 @@ class MaxPool2dBwd(_PoolBwd):
         if config["algo"] == "smem":  # plus the phase-1 strip's x, KH rows x FC columns
             regs += p.kernel[0] * ((self.smem_strip(p, config) - 1) * p.stride[1] + p.eff_kernel[1])
         return regs
+
+    def _regs_needed_many(self, p: PoolProblem, k: Mapping[str, np.ndarray], vec: np.ndarray) -> np.ndarray:
+        regs = super()._regs_needed_many(p, k, vec)
+        strip = np.maximum(1, (vec if p.layout == "nchw" else 1) // p.stride[1])  # smem_strip
+        return regs + np.where(k["algo"] == "smem", p.kernel[0] * ((strip - 1) * p.stride[1] + p.eff_kernel[1]), 0)
 
     def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         main = super().launches(p, config, target)

@@ -294,6 +294,11 @@ def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Tar
     filled by column, and a call's only launch is its main one without naming the instance. An
     unseen problem's pick predicts hundreds of candidates; the per-config overhead was a third
     of it."""
+    arrays = _geometry_arrays(op, p, configs, target, narrow_rows)
+    if arrays is not None:
+        launches, allocs, log_roof, log_inflight, phi_rows = arrays
+        return [Geometry(n, a, log_roof, li, tuple(row))
+                for n, a, li, row in zip(launches, allocs, log_inflight.tolist(), phi_rows.tolist())]
     sms = num_sms(target.arch)
     item = DTYPES[p.dtype]["itemsize"]
     need_bytes = op.min_bytes(p)
@@ -394,6 +399,117 @@ def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Tar
         out.append(Geometry(len(launches), n_out + (1 if ws > KEEP_WS_BYTES else 0), log_roof, math.log(inflight),
                             tuple(phi)))
     return out
+
+
+def _exact(fn: Callable[[float], float], x: np.ndarray) -> np.ndarray:
+    """fn (a `math` function) of each element, taken once per distinct value: numpy's own log
+    may round the last bit otherwise, and `geometry` takes math's."""
+    if not len(x):
+        return np.zeros(0, dtype=np.float64)
+    u, inv = np.unique(x, return_inverse=True)
+    return np.array([fn(v) for v in u.tolist()], dtype=np.float64)[inv.reshape(-1)]
+
+
+def _knob_columns(op: OpSpec, configs: Sequence[Config]) -> dict[str, np.ndarray] | None:
+    """Each knob of the space over `configs` as an int64 or unicode array, of the kind of the
+    space's values; None where a config lacks a knob or holds a value of another kind."""
+    lat = _lattice(op.space)
+    if lat is None or lat._arrays is None:
+        return None
+    dicts = [c.as_dict() for c in configs]
+    out = {}
+    try:
+        for name, values in zip(lat.names, lat._arrays):
+            col = [d[name] for d in dicts]
+            a = np.array(col)
+            if values.dtype.kind == "U":
+                if a.dtype.kind != "U" or not all(type(v) is str for v in col):
+                    return None
+            elif a.dtype != np.int64:
+                return None
+            out[name] = a
+    except (KeyError, ValueError, TypeError, OverflowError):
+        return None
+    return out
+
+
+def _geometry_arrays(op: OpSpec, p: Problem, configs: Sequence[Config], target: Target,
+                     narrow_rows: bool | None = None) -> tuple[list[int], list[int], float, np.ndarray, np.ndarray] | None:
+    """`geometry` of each config as arrays (launches, allocs, log_roof, log_inflight, phi rows),
+    for an op with `geometry_columns` (GroupNorm: ckgen/ops/gn_vector.py): the op's integers on
+    knob arrays, then `geometry`'s float expressions element by element in numpy, with its
+    transcendental functions taken from `math` by distinct value (`_exact`): equal to
+    `geometry` exactly. None where the op has no such form, or a config or the problem is
+    outside it (`geometry_many` then goes config by config)."""
+    name = op.name
+    many = getattr(op, "geometry_columns", None)
+    if many is None or not name.startswith("groupnorm") or not configs:
+        return None
+    need_bytes = op.min_bytes(p)
+    if not 0 < need_bytes < 1 << 50:
+        return None
+    k = _knob_columns(op, configs)
+    if k is None:
+        return None
+    g = many(p, k, target, PREDICT_NARROW_ROWS if narrow_rows is None else narrow_rows)
+    if g is None:
+        return None
+    n = len(configs)
+    sms = num_sms(target.arch)
+    item = DTYPES[p.dtype]["itemsize"]
+    streams = 2 if name in ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta") else 1
+    blocks = np.maximum(1, np.broadcast_to(g["blocks"], n))
+    threads = np.maximum(1, np.broadcast_to(g["threads"], n))
+    min_blocks = k["min_blocks"] if "min_blocks" in k else np.ones(n, dtype=np.int64)
+    per_sm = np.maximum(min_blocks, np.minimum(np.minimum(32, 2048 // threads), 65536 // (threads * g["regs"])))
+    conc = np.minimum(blocks, sms * per_sm)
+    unroll, vec_bytes = np.broadcast_to(g["unroll"], n), k["vec_bytes"]
+    per_thread = need_bytes / (blocks * threads)
+    inflight = (conc * threads) * np.maximum(1.0, np.minimum(unroll * vec_bytes * streams, per_thread))
+    waves = blocks / (sms * per_sm)
+    phi = np.zeros((n, len(TERM_NAMES)), dtype=np.float64)
+    log, log2 = math.log, math.log2
+    phi[:, _T["cov"]] = _exact(log, sms / np.minimum(sms, blocks))
+    over = waves > 1
+    phi[over, _T["tail"]] = _exact(log, np.ceil(waves[over]) / waves[over])
+    phi[:, _T["vec_nchw" if p.layout == "nchw" else "vec_nhwc"]] = _exact(log2, 16 / np.maximum(1, vec_bytes))
+    phi[:, _T["small_work"]] = np.maximum(0.0, _exact(log, 256 / np.maximum(per_thread, 1e-3)))
+    phi[:, _T["big_work"]] = np.maximum(0.0, _exact(log, per_thread / 65536))
+    phi[:, _T["threads"]] = _exact(log2, threads / 256)
+    phi[:, _T["unroll"]] = _exact(log2, np.maximum(1, unroll))
+    phi[:, _T["min_blocks"]] = _exact(log2, min_blocks)
+    fwd = name == "groupnorm_fwd"
+    gpb = k["groups_per_block"]
+    if fwd:
+        rows = (k["slice_in"] == "rows") | (k["merge"] == "grid")  # whole_rows
+        split = np.where(k["merge"] == "cluster", k["cluster"], k["global_split"])
+        tile = np.where(rows, p.C, gpb * p.C // p.G)
+    else:
+        split, tile = k["split"], gpb * p.C // p.G
+    if p.layout == "nchw":
+        run = np.maximum(1, p.C // p.G * p.H * p.W // split) * item
+    else:
+        run = np.where(tile < p.C, tile * item, np.maximum(1, p.H * p.W // split) * p.C * item)
+    phi[:, _T["sector"]] = _exact(log, 32 * (-(-run // 32) + (run % 32 != 0)) / run)
+    x_bytes = p.N * p.C * p.H * p.W * item
+    if fwd:
+        reread = (k["slice_in"] == "reload") | (k["slice_in"] == "rows")
+        phi[reread, _T["reread"]] = math.log1p(x_bytes / need_bytes)
+    elif name != "groupnorm_bwd_gamma_beta":
+        phi[k["scheme"] != "single_pass", _T["reread"]] = math.log1p(2 * x_bytes / need_bytes)  # dx: the scheme's own
+    phi[:, _T["split"]] = _exact(log2, split)
+    if p.layout == "nhwc":
+        phi[:, _T["gpb"]] = _exact(log2, np.where(rows, p.G, gpb) if fwd else gpb)
+    if CHAIN:
+        steps = np.broadcast_to(g["steps"], n)
+        on = steps != 0
+        ratio = steps[on] * np.ceil(waves[on]).astype(np.int64) * CHAIN_US / (need_bytes / BW_BYTES_PER_US)
+        phi[on, _T["chain"]] = (_exact(math.log1p, ratio) if CHAIN == "sum"
+                                else np.maximum(0.0, _exact(log, ratio)))
+    n_out = len(op.output_buffers(p))
+    allocs = (n_out + (np.broadcast_to(g["ws"], n) > KEEP_WS_BYTES)).tolist()
+    return (np.broadcast_to(g["launches"], n).tolist(), allocs, math.log(max(need_bytes, 1) / BW_BYTES_PER_US),
+            _exact(log, inflight), phi)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -597,20 +713,28 @@ class CostModel:
 
     # ---- prediction ----
     def predict_many(self, op: OpSpec, p: Problem, configs: Sequence[Config], target: Target) -> list[Prediction]:
-        geos = geometry_many(op, p, configs, target)
-        if not geos:
-            return []
-        phi = _phi_matrix(geos, self.need_bytes)
+        arrays = _geometry_arrays(op, p, configs, target)
+        if arrays is not None:  # geometry_many's Geometry objects without building them
+            launches, allocs, log_roof, log_inflight, phi = arrays
+            phi[:, 0] = np.maximum(0.0, math.log(self.need_bytes) - log_inflight)  # _phi_matrix
+            roofs = np.full(len(configs), log_roof)
+        else:
+            geos = geometry_many(op, p, configs, target)
+            if not geos:
+                return []
+            phi = _phi_matrix(geos, self.need_bytes)
+            roofs = np.array([g.log_roof for g in geos])
+            launches, allocs = [g.launches for g in geos], [g.allocs for g in geos]
         b = self.intercepts.get(op.name, float(np.mean(list(self.intercepts.values()) or [0.0])))
         with np.errstate(over="ignore", invalid="ignore"):
-            mem = np.exp(np.array([g.log_roof for g in geos]) + b + phi @ self.weights)
+            mem = np.exp(roofs + b + phi @ self.weights)
         if not np.isfinite(mem).all():  # a model file's constants within their bounds, but not for this problem
             raise ModelError(f"it predicts a time that is not finite for {op.name} {p.key()}")
         corr = self.corrections(op, p, configs, target)
         h = self.host
-        return [Prediction((self.launch_us(g.launches) + float(m)) * math.exp(k),
-                           h["call_us"] + h["launch_us"] * g.launches + h["alloc_us"] * g.allocs)
-                for g, m, k in zip(geos, mem, corr)]
+        return [Prediction((self.launch_us(n) + float(m)) * math.exp(k),
+                           h["call_us"] + h["launch_us"] * n + h["alloc_us"] * a)
+                for n, a, m, k in zip(launches, allocs, mem, corr)]
 
     def _residual_index(self, op: OpSpec) -> "_ResidualIndex":
         idx = self._resid_index.get(op.name)

@@ -276,6 +276,20 @@ class GroupNormFwd(GroupNormOp):
             return of_class
         return self.shape_check(p, config, target)
 
+    def shape_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
+        """`shape_check` on arrays of knob values `class_check` admits (ckgen/ops/gn_vector.py);
+        None for a problem too large for int64 products."""
+        from . import gn_vector
+
+        return gn_vector.fwd_shape_check_many(p, k, target) if gn_vector.fits_int64(p) else None
+
+    def geometry_columns(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target,
+                         narrow_rows: bool = True) -> dict[str, np.ndarray] | None:
+        """The cost model's per-config integers on arrays of knob values (ckgen/ops/gn_vector.py)."""
+        from . import gn_vector
+
+        return gn_vector.fwd_geometry_columns(self, p, k, target, narrow_rows) if gn_vector.fits_int64(p) else None
+
     def shape_check(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
         """validate's checks of the problem's sizes (`OpSpec.shape_check`)."""
         item = DTYPES[p.dtype]["itemsize"]

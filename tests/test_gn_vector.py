@@ -1,0 +1,97 @@
+"""The GroupNorm ops' array forms (ckgen/ops/gn_vector.py) equal their scalar forms exactly:
+`shape_check_many` vs `shape_check`, `geometry_columns` vs launches / registers / workspace /
+`chain_steps`, and `costmodel.geometry_many` vs `costmodel.geometry`, on random problems and
+configs of every GroupNorm op on sm_90, sm_80 and gfx942 (CPU tier)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ckgen import costmodel
+from ckgen.ops import all_ops, get_op
+from ckgen.ops.spec import Target
+from ckgen.types import Config
+
+TARGETS = [Target.named(a) for a in ("sm_90", "sm_80", "gfx942")]
+GN_OPS = [op.name for op in all_ops() if op.name.startswith("groupnorm")]
+
+
+def _problems(op, rng: random.Random, count: int):
+    out = []
+    while len(out) < count:
+        G = rng.choice([1, 2, 4, 8, 16, 32])
+        out.append(op.parse_problem(N=rng.choice([1, 2, 3, 8, 16, 64]),
+                                    C=G * rng.choice([1, 2, 3, 8, 40, 96, 640, 1024, 4096]),
+                                    H=rng.choice([1, 2, 7, rng.randint(1, 90), 128, 512]),
+                                    W=rng.choice([1, 3, 8, rng.randint(1, 90), 256, 1024]), G=G,
+                                    dtype=rng.choice(["fp32", "fp16", "bf16"]), layout=rng.choice(["nchw", "nhwc"]),
+                                    activation=rng.choice(["none", "swish"])))
+    return out
+
+
+def _admitted(op, p, target, rng: random.Random, n: int):
+    """Up to `n` random points of the space that the class check admits for p (as the walk asks
+    the shape check), their codes and the lattice."""
+    lat = costmodel._lattice(op.space)
+    codes = np.unique(np.array([rng.randrange(lat.size) for _ in range(4 * n)], dtype=np.int64))
+    codes = costmodel._class_filter(op, p, target, lat)(lat.space_points(codes))[:n]
+    return lat, codes, [lat.config(c) for c in codes.tolist()]
+
+
+@pytest.mark.parametrize("name", GN_OPS)
+def test_shape_check_many_equals_shape_check(name):
+    op = get_op(name)
+    rng = random.Random(name)
+    for p in _problems(op, rng, 40):
+        for target in TARGETS:
+            lat, codes, configs = _admitted(op, p, target, rng, 400)
+            many = op.shape_check_many(p, lat.columns(codes), target)
+            assert many.tolist() == [bool(op.shape_check(p, c, target)) for c in configs], (p.key(), target.arch)
+
+
+@pytest.mark.parametrize("name", GN_OPS)
+def test_geometry_columns_equal_the_scalar_forms(name):
+    op = get_op(name)
+    rng = random.Random(name + "geo")
+    for p in _problems(op, rng, 40):
+        for target in TARGETS:
+            lat, codes, configs = _admitted(op, p, target, rng, 300)
+            for narrow in (True, False):
+                cols = op.geometry_columns(p, lat.columns(codes), target, narrow)
+                for i, c in enumerate(configs):
+                    launches = op.launches(p, c, target)
+                    main = costmodel._main_launch(op, p, c, launches)
+                    want = {"launches": len(launches), "blocks": main.grid[0] * main.grid[1] * main.grid[2],
+                            "threads": main.block[0] * main.block[1] * main.block[2],
+                            "regs": costmodel._regs(op, p, c), "ws": op.workspace_bytes(p, c),
+                            "steps": costmodel.chain_steps(op, p, c, narrow)}
+                    got = {k: int(np.broadcast_to(cols[k], len(configs))[i]) for k in want}
+                    assert got == want, (p.key(), target.arch, c.key())
+
+
+@pytest.mark.parametrize("name", GN_OPS)
+def test_geometry_many_equals_geometry(name):
+    """The costmodel's batch (the array path for GroupNorm) against `geometry` config by config,
+    valid candidates and configs validate refuses alike, float for float."""
+    op = get_op(name)
+    rng = random.Random(name + "many")
+    for p in _problems(op, rng, 25):
+        for target in TARGETS:
+            _, _, configs = _admitted(op, p, target, rng, 200)
+            configs = configs + [op.space.default]
+            for narrow in (None, False):
+                many = costmodel.geometry_many(op, p, configs, target, narrow_rows=narrow)
+                assert many == [costmodel.geometry(op, p, c, target, narrow_rows=narrow) for c in configs], \
+                    (p.key(), target.arch)
+
+
+def test_geometry_many_off_the_lattice_falls_back():
+    """A config whose values are of another kind (a float) takes the per-config path, same answer."""
+    op = get_op("groupnorm_fwd")
+    p = op.parse_problem(N=2, C=64, H=9, W=9, G=4, dtype="fp16", layout="nchw")
+    t = TARGETS[0]
+    c = Config.of(dict(op.space.default.as_dict(), vec_bytes=8.0))
+    assert costmodel.geometry_many(op, p, [c, op.space.default], t) == \
+        [costmodel.geometry(op, p, c, t), costmodel.geometry(op, p, op.space.default, t)]

@@ -923,7 +923,8 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     alignment): it is asked only about points of the space that pass the op's `class_check` for
     p's problem class, in walk order. `admitted`, where given, answers for `usable` about those
     configs without the checks the walk has made (the dispatcher's: the alignment and
-    `op.shape_check`). The walk runs on the space's `_Lattice` (the same order as stepping
+    `op.shape_check`); its attribute `many`, where it has one, answers on the knob arrays of
+    many such configs at once (a bool array, or None: ask `admitted` per config). The walk runs on the space's `_Lattice` (the same order as stepping
     through `neighbours`, which `_walk_configs` still does for winners off the lattice)."""
     start = list(dict.fromkeys([*winners, op.space.default]))
     lat = _lattice(op.space)
@@ -934,6 +935,7 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     whole_step = lat.columns(np.zeros(0, dtype=np.int64)) is not None and \
         getattr(op.class_check_many, "__func__", None) is not OpSpec.class_check_many  # a wrapped op too
     ask = admitted or usable
+    many = getattr(admitted, "many", None) if whole_step else None
     ok: list[Config] = []
     near = -1
     visited = np.zeros(lat.size, dtype=bool)
@@ -947,7 +949,16 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
         walk = admit(nodes) if whole_step else nodes  # `nodes` stay the next step's frontier
         for lo in range(0, len(walk), _CHUNK):
             chunk = walk[lo:lo + _CHUNK]
-            for code in lat.space_points(chunk if whole_step else admit(chunk)).tolist():
+            points = lat.space_points(chunk if whole_step else admit(chunk))
+            # `admitted.many`, where given, answers for a whole chunk (its knob arrays) at once
+            mask = many(lat.columns(points)) if many is not None and len(points) else None
+            if mask is not None:
+                for code in points[mask].tolist():
+                    ok.append(lat.config(code))
+                    if len(ok) >= limit:
+                        return ok, (near if near >= 0 else len(ok))
+                continue
+            for code in points.tolist():
                 c = lat.config(code)
                 if ask(c):
                     ok.append(c)

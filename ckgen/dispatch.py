@@ -177,6 +177,14 @@ class Dispatcher:
         def admitted(c: Config) -> bool:  # _usable for a config of the space that op.class_check admits
             return self._aligned(c, max_vec) is None and bool(op.shape_check(problem, c, target))
 
+        shape_many = getattr(op, "shape_check_many", None)
+        if shape_many is not None:  # the same on knob arrays (GroupNorm): the walk asks whole chunks
+            def many(k: Any) -> Any:
+                ok = shape_many(problem, k, target)
+                return None if ok is None or "vec_bytes" not in k else ok & (k["vec_bytes"] <= max_vec)
+
+            admitted.many = many  # type: ignore[attr-defined]
+
         picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
                                          lambda c: self._usable(op, problem, c, target, max_vec) is None, accept,
                                          admitted)

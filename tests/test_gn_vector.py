@@ -95,3 +95,27 @@ def test_geometry_many_off_the_lattice_falls_back():
     c = Config.of(dict(op.space.default.as_dict(), vec_bytes=8.0))
     assert costmodel.geometry_many(op, p, [c, op.space.default], t) == \
         [costmodel.geometry(op, p, c, t), costmodel.geometry(op, p, op.space.default, t)]
+
+
+@pytest.mark.parametrize("name", GN_OPS)
+def test_walk_with_shape_check_many_equals_the_walk_without(name):
+    """`candidate_tiers` with the dispatcher's `admitted.many` (whole chunks on knob arrays) returns
+    the candidates and the near tier the per-config `admitted` does."""
+    op = get_op(name)
+    rng = random.Random(name + "walk")
+    model = costmodel.load()
+    winners = model.winner_configs(op) if model is not None else []
+    for p in _problems(op, rng, 6):
+        for target in TARGETS:
+            for max_vec in (16, 8):
+                def usable(c, p=p, target=target, max_vec=max_vec):
+                    return c["vec_bytes"] <= max_vec and bool(op.validate(p, c, target))
+
+                def admitted(c, p=p, target=target, max_vec=max_vec):
+                    return c["vec_bytes"] <= max_vec and bool(op.shape_check(p, c, target))
+
+                plain = costmodel.candidate_tiers(op, p, target, winners, usable, admitted=admitted)
+                admitted.many = lambda k, p=p, target=target, max_vec=max_vec: (
+                    op.shape_check_many(p, k, target) & (k["vec_bytes"] <= max_vec))
+                assert costmodel.candidate_tiers(op, p, target, winners, usable, admitted=admitted) == plain, \
+                    (p.key(), target.arch, max_vec)

@@ -1123,6 +1123,12 @@ class _Lattice:
         """The codes that are points of the space (constraints hold), in order."""
         state = self.in_space[codes]
         unknown = codes[state < 0].tolist()
+        if unknown and self._failing is not None and self._arrays is not None:
+            # the constraints on the knob arrays (`_CompiledSpace.holds_many`) where they translate
+            held = self.space._memo["compiled"].holds_many(self.columns(codes[state < 0]))
+            if held is not None:
+                self.in_space[codes[state < 0]] = held
+                unknown = []
         if unknown:
             failing, digits = self._failing, self._digits
             if failing is None:

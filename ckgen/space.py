@@ -170,6 +170,7 @@ class _CompiledSpace:
             if unknown:
                 raise ValueError(f"tuning space {op}: constraint {c.expr!r} names {unknown}, which are not knobs "
                                  f"of the space ({self.names})")
+        self.constraints = constraints
         arg = {n: f"_p{i}" for i, n in enumerate(self.names)}
         tests = [ast.unparse(_rename(_parse_expr(c.expr), arg)) for c in constraints]
         body = "".join(f"    if not ({t}):\n        return {i}\n" for i, t in enumerate(tests))
@@ -195,12 +196,86 @@ class _CompiledSpace:
         lines.append(f"{indent}_out(_C(({items}{',' if len(self.names) == 1 else ''})))")
         self._enumerate = _function("\n".join(lines) + "\n", "_enumerate")
 
+    def holds_many(self, columns: dict[str, Any]) -> Any:
+        """Whether each point holds every constraint, on arrays of knob values (numpy: an int or
+        str array per knob, values of the space): `first_failing(...) < 0` per element. None
+        where a constraint is not of the forms `_array_test` translates."""
+        if "many" not in self.__dict__:
+            self.many = _array_function(self.names, self.params, self.constraints)
+        if self.many is None:
+            return None
+        import numpy as np
+
+        n = len(next(iter(columns.values()))) if columns else 0
+        return np.broadcast_to(np.asarray(self.many(np, *[columns[k] for k in self.names]), dtype=bool), (n,))
+
     def enumerate(self) -> tuple[Config, ...]:
         out: list[Config] = []
         loops = [list(itertools.product(*(self.params[n] for n in names))) if len(names) > 1 else self.params[names[0]]
                  for names in self.loops]
         self._enumerate(out.append, Config, *loops)
         return tuple(out)
+
+
+_CMP = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+_ARITH = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*"}
+
+
+def _array_test(tree: ast.expr, kinds: dict[str, type], arg: dict[str, str]) -> str | None:
+    """A constraint as an expression over knob arrays (`_np` is numpy): and / or / not of
+    comparisons become & / | / ~ of boolean arrays, a chain a < b < c the & of its pairs; the
+    values are knobs, int or str constants and + - * of ints, each comparison between values of
+    one kind (as the constraint compares them in Python). None for anything else."""
+    def value(n: ast.expr) -> tuple[str, type] | None:
+        if isinstance(n, ast.Name) and n.id in kinds:
+            return arg[n.id], kinds[n.id]
+        if isinstance(n, ast.Constant) and type(n.value) in (int, str):
+            return repr(n.value), type(n.value)
+        if isinstance(n, ast.BinOp) and type(n.op) in _ARITH:
+            a, b = value(n.left), value(n.right)
+            if a is None or b is None or a[1] is not int or b[1] is not int:
+                return None
+            return f"({a[0]} {_ARITH[type(n.op)]} {b[0]})", int
+        return None
+
+    def test(n: ast.expr) -> str | None:
+        if isinstance(n, ast.BoolOp):
+            parts = [test(v) for v in n.values]
+            if any(p is None for p in parts):
+                return None
+            return "(" + (" & " if isinstance(n.op, ast.And) else " | ").join(parts) + ")"  # type: ignore[arg-type]
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+            inner = test(n.operand)
+            return None if inner is None else f"(~{inner})"
+        if isinstance(n, ast.Compare) and all(type(o) in _CMP for o in n.ops):
+            vals = [value(x) for x in [n.left, *n.comparators]]
+            if any(v is None for v in vals) or len({v[1] for v in vals}) != 1:  # type: ignore[index]
+                return None
+            pairs = [f"_np.asarray({a[0]} {_CMP[type(o)]} {b[0]}, dtype=_np.bool_)"  # type: ignore[index]
+                     for a, o, b in zip(vals, n.ops, vals[1:])]
+            return "(" + " & ".join(pairs) + ")"
+        return None
+
+    return test(tree)
+
+
+def _array_function(names: list[str], params: dict[str, tuple[Any, ...]],
+                    constraints: tuple[Constraint, ...]) -> Callable[..., Any] | None:
+    """`_CompiledSpace.holds_many`'s generated function: the & of every constraint's `_array_test`
+    (True without constraints); None if a knob's values are not all ints or all strs, or a
+    constraint does not translate."""
+    kinds: dict[str, type] = {}
+    for n in names:
+        types = {type(v) for v in params[n]}
+        if types not in ({int}, {str}):
+            return None
+        kinds[n] = types.pop()
+    arg = {n: f"_p{i}" for i, n in enumerate(names)}
+    tests = [_array_test(_parse_expr(c.expr).body, kinds, arg) for c in constraints]
+    if any(t is None for t in tests):
+        return None
+    body = " & ".join(f"({t})" for t in tests) if tests else "True"  # type: ignore[misc]
+    return _function(f"def _holds(_np, {', '.join(arg.values())}):\n    return {body}\n", "_holds")
 
 
 def _parse(doc: dict[str, Any]) -> Space:

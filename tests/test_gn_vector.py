@@ -119,3 +119,19 @@ def test_walk_with_shape_check_many_equals_the_walk_without(name):
                     op.shape_check_many(p, k, target) & (k["vec_bytes"] <= max_vec))
                 assert costmodel.candidate_tiers(op, p, target, winners, usable, admitted=admitted) == plain, \
                     (p.key(), target.arch, max_vec)
+
+
+@pytest.mark.parametrize("name", [op.name for op in all_ops()])
+def test_space_holds_many_equals_first_failing(name):
+    """The space's constraints on knob arrays (`_CompiledSpace.holds_many`, which the lattice's
+    `space_points` asks) agree with the compiled scalar check on random points of the product."""
+    op = get_op(name)
+    compiled = op.space._memo["compiled"]
+    lat = costmodel._lattice(op.space)
+    rng = random.Random(name + "space")
+    codes = np.unique(np.array([rng.randrange(lat.size) for _ in range(30000)], dtype=np.int64))
+    cols = lat.columns(codes)
+    many = compiled.holds_many(cols)
+    assert many is not None
+    assert many.tolist() == [compiled.first_failing(*[cols[n][i].item() for n in compiled.names]) < 0
+                             for i in range(len(codes))]

@@ -264,16 +264,7 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
         # (kh x kw reads per covering output). The overlap is read again (L1/L2) and recomputed:
         # a th=1 tile reads ~2-3x the x a th>=2 tile does (the ResNet-stem sweeps: 2x slower)
         th, tw = op.tile(c)  # type: ignore[attr-defined]
-        if op.x_footprint(p, c):  # type: ignore[attr-defined]
-            xr, xc = op._x_footprint_dims(p, c)  # type: ignore[attr-defined]
-            reads = xr * xc
-        elif op.aligned_gather(p, c):  # type: ignore[attr-defined]
-            na, nb = op.cover_counts(p, c)  # type: ignore[attr-defined]
-            reads = na * nb * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
-        else:
-            (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride  # type: ignore[attr-defined]
-            reads = -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
-        phi["reread"] = math.log1p(x_bytes * max(0.0, reads / (th * tw) - 1.0) / need_bytes)
+        phi["reread"] = math.log1p(x_bytes * max(0.0, _recompute_reads(op, p, c) / (th * tw) - 1.0) / need_bytes)
     steps = chain_steps(op, p, c, PREDICT_NARROW_ROWS if narrow_rows is None else narrow_rows)
     if CHAIN and steps:
         ratio = steps * math.ceil(waves) * CHAIN_US / (need_bytes / BW_BYTES_PER_US)
@@ -282,6 +273,21 @@ def geometry(op: OpSpec, p: Problem, c: Config, target: Target, sms: int | None 
     allocs = len(op.output_buffers(p)) + (1 if ws > KEEP_WS_BYTES else 0)
     return Geometry(len(launches), allocs, math.log(max(need_bytes, 1) / BW_BYTES_PER_US), math.log(inflight),
                     tuple(phi[n] for n in TERM_NAMES))
+
+
+def _recompute_reads(op: OpSpec, p: Problem, c: Config) -> int:
+    """x elements a max pool backward thread reads to recompute the argmax of the outputs covering
+    its th x tw tile: the x footprint under their windows (NCHW aligned tiles), else each covering
+    output's window, else the windows of the tile's cover span."""
+    if op.x_footprint(p, c):  # type: ignore[attr-defined]
+        xr, xc = op._x_footprint_dims(p, c)  # type: ignore[attr-defined]
+        return xr * xc
+    if op.aligned_gather(p, c):  # type: ignore[attr-defined]
+        na, nb = op.cover_counts(p, c)  # type: ignore[attr-defined]
+        return na * nb * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
+    th, tw = op.tile(c)  # type: ignore[attr-defined]
+    (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride  # type: ignore[attr-defined]
+    return -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
 
 
 _T = {n: i for i, n in enumerate(TERM_NAMES)}  # a term's column in Geometry.phi
@@ -380,16 +386,7 @@ def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Tar
             phi[i_scatter] = 1.0
         elif recompute and d.get("algo") == "gather":
             th, tw = op.tile(c)  # type: ignore[attr-defined]
-            if op.x_footprint(p, c):  # type: ignore[attr-defined]
-                xr, xc = op._x_footprint_dims(p, c)  # type: ignore[attr-defined]
-                reads = xr * xc
-            elif op.aligned_gather(p, c):  # type: ignore[attr-defined]
-                na, nb = op.cover_counts(p, c)  # type: ignore[attr-defined]
-                reads = na * nb * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
-            else:
-                (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride  # type: ignore[attr-defined]
-                reads = -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]  # type: ignore[attr-defined]
-            phi[i_reread] = math.log1p(x_bytes * max(0.0, reads / (th * tw) - 1.0) / need_bytes)
+            phi[i_reread] = math.log1p(x_bytes * max(0.0, _recompute_reads(op, p, c) / (th * tw) - 1.0) / need_bytes)
         if gn and CHAIN:
             steps = chain_steps(op, p, c, narrow_rule)
             if steps:

@@ -296,10 +296,10 @@ _T = {n: i for i, n in enumerate(TERM_NAMES)}  # a term's column in Geometry.phi
 def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Target,
                   narrow_rows: bool | None = None) -> list[Geometry]:
     """`geometry` of each config, equal to it exactly (the same expressions in the same order,
-    tests/test_costmodel.py checks): what depends on the problem alone is computed once, phi is
+    tests/test_pick_latency.py and tests/test_gn_vector.py check): what depends on the problem alone is computed once, phi is
     filled by column, and a call's only launch is its main one without naming the instance. An
-    unseen problem's pick predicts hundreds of candidates; the per-config overhead was a third
-    of it."""
+    unseen problem's pick predicts hundreds of candidates, so per-config overhead is what it saves
+    (`geometry` per config costs a third of such a pick)."""
     arrays = _geometry_arrays(op, p, configs, target, narrow_rows)
     if arrays is not None:
         launches, allocs, log_roof, log_inflight, phi_rows = arrays

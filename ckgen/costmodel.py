@@ -97,8 +97,9 @@ WINNERS_PER_PROBLEM = 2  # best distinct configs of each recorded problem kept a
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)
 
 
-# Host time of one call (bench/host_overhead.py, torch inputs): cuLaunchKernel's floor per launch (4.06 us), an output allocation, and the rest
-# of a call; within 3 us of the 10 measured ops' 9.5-26 us except groupnorm_bwd_gamma_beta (26).
+# Host time of one call (bench/host_overhead.py, torch inputs): cuLaunchKernel's floor per
+# launch (4.06 us), an output allocation, and the rest of a call; within 3 us of the 10 measured
+# ops' 9.5-26 us except groupnorm_bwd_gamma_beta (26).
 HOST = {"call_us": 4.0, "launch_us": 4.06, "alloc_us": 3.0}
 
 # The phi terms, their physical priors (the ridge pulls toward these) and meaning.
@@ -296,8 +297,9 @@ _T = {n: i for i, n in enumerate(TERM_NAMES)}  # a term's column in Geometry.phi
 def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Target,
                   narrow_rows: bool | None = None) -> list[Geometry]:
     """`geometry` of each config, equal to it exactly (the same expressions in the same order,
-    tests/test_pick_latency.py and tests/test_gn_vector.py check): what depends on the problem alone is computed once, phi is
-    filled by column, and a call's only launch is its main one without naming the instance. An
+    tests/test_pick_latency.py and tests/test_gn_vector.py check): what depends on the problem
+    alone is computed once, phi is filled by column, and a call's only launch is its main one
+    without naming the instance. An
     unseen problem's pick predicts hundreds of candidates, so per-config overhead is what it saves
     (`geometry` per config costs a third of such a pick)."""
     arrays = _geometry_arrays(op, p, configs, target, narrow_rows)

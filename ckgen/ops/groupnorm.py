@@ -12,7 +12,7 @@ from ..space import load_space
 from ..target import coresident_sms
 from ..types import DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, short_repr
 from .numeric import from_storage, round_to, to_storage
-from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, problem_of
+from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, layered_validate, problem_of
 
 ACTIVATIONS = ("none", "swish")
 # slice_in=reload sums each thread's values into fp32 accumulators one after another (NHWC: one
@@ -172,6 +172,9 @@ class GroupNormOp(OpSpec):
     def parse_problem(self, **kw: Any) -> GroupNormProblem:
         return problem_of(GroupNormProblem, kw, "GroupNorm")
 
+    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
+        return layered_validate(self, p, config, target)
+
     def problem_from_key(self, key: str) -> GroupNormProblem:
         return GroupNormProblem.from_key(key)
 
@@ -266,15 +269,6 @@ class GroupNormFwd(GroupNormOp):
         if p.layout == "nchw":
             ok &= rows | ((k["groups_per_block"] == 1) & (p.HW % vec == 0))
         return ok
-
-    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
-        in_space = self.space.check(config)
-        if not in_space:
-            return in_space
-        of_class = self.class_check(p, config, target)
-        if not of_class:
-            return of_class
-        return self.shape_check(p, config, target)
 
     def shape_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
         """`shape_check` on arrays of knob values `class_check` admits (ckgen/ops/gn_vector.py);

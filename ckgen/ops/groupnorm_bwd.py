@@ -118,15 +118,6 @@ class _GroupNormBwd(GroupNormOp):
             ok &= (k["groups_per_block"] == 1) & (p.HW % vec == 0)
         return ok
 
-    def validate(self, p: GroupNormProblem, config: Config, target: Target) -> Support:
-        in_space = self.space.check(config)
-        if not in_space:
-            return in_space
-        of_class = self.class_check(p, config, target)
-        if not of_class:
-            return of_class
-        return self.shape_check(p, config, target)
-
     def shape_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
         """`shape_check` on arrays of knob values `class_check` admits (ckgen/ops/gn_vector.py);
         None for a problem too large for int64 products."""

@@ -92,6 +92,18 @@ def full_shapes(spec: Any, shape: Any, width: int) -> list[tuple[int, ...]]:
     return [tuple(shape)] if not batches else [(int(n), *shape) for n in batches]
 
 
+def layered_validate(op: "OpSpec", problem: Any, config: Config, target: Target) -> Support:
+    """`validate` as the space's check, then `class_check`, then `shape_check`, the first refusal
+    answering: the order the cost model's candidate walk relies on (it asks each layer apart)."""
+    in_space = op.space.check(config)
+    if not in_space:
+        return in_space
+    of_class = op.class_check(problem, config, target)
+    if not of_class:
+        return of_class
+    return op.shape_check(problem, config, target)
+
+
 class OpSpec(abc.ABC):
     """One op, declared once. The CLI, DB, dispatcher, tuner and tests work from this alone.
 

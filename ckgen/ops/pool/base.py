@@ -11,7 +11,7 @@ import numpy as np
 from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import to_storage
-from ..spec import OpSpec, full_shapes, problem_of
+from ..spec import OpSpec, full_shapes, layered_validate, problem_of
 from .problem import PoolProblem, covering, covering_span
 from .vector import VectorChecks
 
@@ -291,13 +291,7 @@ class _PoolOp(VectorChecks, OpSpec):
         return Support.yes()
 
     def validate(self, p: PoolProblem, config: Config, target: Target) -> Support:
-        in_space = self.space.check(config)
-        if not in_space:
-            return in_space
-        of_class = self.class_check(p, config, target)
-        if not of_class:
-            return of_class
-        return self.shape_check(p, config, target)
+        return layered_validate(self, p, config, target)
 
     def shape_check(self, p: PoolProblem, config: Config, target: Target) -> Support:
         """validate's checks of the problem's sizes (`OpSpec.shape_check`)."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import settings
+from . import parsecache, settings
 from .codegen import KernelSource
 from .types import Target
 
@@ -141,18 +141,6 @@ def _warn_unusable(folder: Path, e: OSError) -> None:
                   KernelCacheWarning, stacklevel=4)
 
 
-def _new_temp(folder: Path) -> tuple[int, Path]:
-    """A new temp file in `folder`, opened for writing, created with mode 0666 so that the umask
-    applies as to any new file: tempfile's 0600 made every cubin private to its writer, and a
-    cache shared by two users failed for the second (the DB saves do the same, ckgen/db.py)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = folder / f".tmp-{secrets.token_hex(8)}"
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-
 
 def _store(path: Path, data: bytes) -> bool:
     """Write `data` to `path` atomically (readers never see a partial cubin); False, with one
@@ -160,7 +148,7 @@ def _store(path: Path, data: bytes) -> bool:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _new_temp(path.parent)
+        fd, tmp = parsecache.new_temp(path.parent, ".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

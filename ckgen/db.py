@@ -869,23 +869,12 @@ def _dump(entries: Iterable[Entry], malformed: Iterable[Any] = ()) -> str:
                                allow_unicode=False, width=_NO_FOLDING)
 
 
-def _new_temp(folder: Path, prefix: str) -> tuple[int, Path]:
-    """A new file `<prefix><hex>.tmp` in `folder`, opened for writing. Created with mode 0666,
-    so the umask applies as to any new file (tempfile's 0600 made saved DBs private)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = folder / f"{prefix}{secrets.token_hex(8)}.tmp"
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-
 
 def _write_file(dest: Path, text: str, prefix: str, mode_of: Path) -> None:
     """Write `text` to a temp file beside `dest` (mode: that of `mode_of` if it exists, else the
     umask's), fsync it, then os.replace it onto `dest`. On any error the temp file is removed
     and `dest` is unchanged."""
-    fd, tmp = _new_temp(dest.parent, prefix)
+    fd, tmp = parsecache.new_temp(dest.parent, prefix)
     try:
         try:
             with contextlib.suppress(FileNotFoundError):

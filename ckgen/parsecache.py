@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import stat
-import tempfile
 import time
 from pathlib import Path
 
@@ -102,14 +102,27 @@ def write(kind: str, k: str, text: str) -> None:
         write_file(folder(kind), f"{k}.json", text.encode("ascii"))
 
 
+def new_temp(folder: Path, prefix: str) -> tuple[int, Path]:
+    """A new file `<prefix><hex>.tmp` in `folder`, opened for writing (the DB saves, the kernel
+    cache and these caches write one, then rename it into place). Created with mode 0666, so the
+    umask applies as to any new file: tempfile's 0600 would make each file private to its
+    writer, and a folder shared by two users fail for the second."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = folder / f"{prefix}{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def write_file(where: Path, name: str, data: bytes, keep: int | None = None) -> None:
     """Keep `data` as the file `name` (ending in .json or .cache) in the folder `where`: a temp
     file renamed into place, then the folder pruned to its `keep` (default KEEP) most recently
     written such files. Best effort: any error leaves the folder as it was."""
     with contextlib.suppress(Exception):
         where.mkdir(parents=True, exist_ok=True)
-        fd, tmpname = tempfile.mkstemp(prefix=".parsed-", suffix=".tmp", dir=where)
-        tmp = Path(tmpname)
+        fd, tmp = new_temp(where, ".parsed-")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

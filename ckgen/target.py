@@ -1,13 +1,14 @@
 """The current device as a Target, and its properties. CuPy is imported lazily."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .types import Target
+from .types import DEFAULT_SMS, NUM_SMS, Target, coresident_sms  # noqa: F401 (re-exported)
 
 
 class NoGPUError(RuntimeError):
@@ -122,40 +123,37 @@ def device_info(device_id: int | None = None) -> DeviceInfo:
     dev = cupy.cuda.Device(device_id) if device_id is not None else cupy.cuda.Device()
     props = cupy.cuda.runtime.getDeviceProperties(dev.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    if cupy.cuda.runtime.is_hip:
-        arch = props.get("gcnArchName", b"")
-        arch = (arch.decode() if isinstance(arch, bytes) else arch).split(":")[0]
-    else:
-        arch = f"sm_{props['major']}{props['minor']}"
+    arch = _arch_of(props)
     try:
         target = Target.named(arch)
     except ValueError:  # a device property ckgen cannot read as an arch: no kernel could be built for it
         raise NoGPUError(f"no usable GPU ({name} reports arch {arch!r}, which is not an arch name ckgen knows)") from None
+    target = dataclasses.replace(target, sms=_arch_sms(arch))  # what a grid barrier may count on
     return DeviceInfo(target, name, int(props["multiProcessorCount"]), int(props["l2CacheSize"]))
+
+
+def _arch_of(props: dict[str, Any]) -> str:
+    """The arch name of a device, from its CUDA/HIP properties."""
+    import cupy
+
+    if cupy.cuda.runtime.is_hip:
+        arch = props.get("gcnArchName", b"")
+        return (arch.decode() if isinstance(arch, bytes) else arch).split(":")[0]
+    return f"sm_{props['major']}{props['minor']}"
 
 
 def current_target() -> Target:
     return device_info(None).target
 
 
-# SMs (CUs) per arch where no device is at hand (the cost model's parallelism terms, tuning
-# records, CI): the flagship part of each arch (an H100 SXM for sm_90). Others: DEFAULT_SMS.
-NUM_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_90a": 132, "sm_100": 148,
-           "sm_120": 170, "gfx90a": 104, "gfx942": 304, "gfx1100": 96}
-DEFAULT_SMS = 108
-
-
 @lru_cache(maxsize=None)
-def coresident_sms(target: Target) -> int:
-    """The SMs a grid whose blocks wait for each other (GroupNorm fwd merge=grid) may count on for
-    `target`: the fewest of the visible devices of that arch (an H100 PCIe has 114, an SXM 132),
-    else, with no such device (offline studies, CI), the arch's flagship part (NUM_SMS)."""
-    counts = []
-    if gpu_status() is None:
-        import cupy
+def _arch_sms(arch: str) -> int:
+    """The fewest SMs of the visible devices of `arch` (0: none visible)."""
+    import cupy
 
-        for d in range(cupy.cuda.runtime.getDeviceCount()):
-            info = device_info(d)
-            if info.target == target:
-                counts.append(info.num_sms)
-    return min(counts) if counts else NUM_SMS.get(target.arch, DEFAULT_SMS)
+    counts = []
+    for d in range(cupy.cuda.runtime.getDeviceCount()):
+        props = cupy.cuda.runtime.getDeviceProperties(d)
+        if _arch_of(props) == arch:
+            counts.append(int(props["multiProcessorCount"]))
+    return min(counts) if counts else 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 DTYPES: dict[str, dict[str, Any]] = {
@@ -129,6 +129,10 @@ class Target:
     arch: str  # "sm_90", "gfx942", ...
     warp_size: int = 32
     clusters: bool = False  # thread-block clusters with distributed shared memory (sm_90+)
+    #: SMs (CUs) a grid whose blocks wait for each other may count on: the fewest of the visible
+    #: devices of the arch for the target of a GPU at hand (`ckgen.runtime.target`), else 0: the
+    #: arch's flagship part (`coresident_sms`). Not part of the target's identity.
+    sms: int = field(default=0, compare=False, repr=False)
 
     @classmethod
     def named(cls, arch: str) -> "Target":
@@ -142,6 +146,21 @@ class Target:
             return cls("hip", arch, 64 if len(arch) == len("gfx9xx") else 32, False)
         raise ValueError(f"target: unknown arch {short_repr(arch)}; use sm_<major><minor>[a] (NVIDIA, e.g. sm_90, "
                          "sm_100) or gfx<major><minor><stepping> (AMD, e.g. gfx90a, gfx942, gfx1100)")
+
+
+# SMs (CUs) per arch where no device is at hand (the cost model's parallelism terms, tuning
+# records, CI): the flagship part of each arch (an H100 SXM for sm_90). Others: DEFAULT_SMS.
+NUM_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_90a": 132, "sm_100": 148,
+           "sm_120": 170, "gfx90a": 104, "gfx942": 304, "gfx1100": 96}
+DEFAULT_SMS = 108
+
+
+def coresident_sms(target: Target) -> int:
+    """The SMs a grid whose blocks wait for each other (GroupNorm fwd merge=grid) may count on for
+    `target`: `target.sms` (a GPU at hand: the fewest of the visible devices of that arch; an
+    H100 PCIe has 114, an SXM 132), else the arch's flagship part (NUM_SMS). A config's validity
+    so depends on the Target value alone, never on a query of the machine."""
+    return target.sms or NUM_SMS.get(target.arch, DEFAULT_SMS)
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,7 @@ def test_split_past_a_cluster_merges_at_a_grid_barrier(name, layout):
     the dgamma/dbeta rows, then one barrier counter (the part zeroed once); no cluster, no ticket,
     no _dgb launch: dgamma/dbeta are folded after the barrier, the rounds spread over the blocks.
     CUDA only (a cooperative launch); compiles for sm_90 and sm_80 (no clusters needed)."""
-    from ckgen.target import coresident_sms
+    from ckgen.types import coresident_sms
 
     op = get_op(name)
     p = op.parse_problem(N=2, C=64, H=64, W=64, G=4, dtype="bf16", layout=layout, activation="swish")

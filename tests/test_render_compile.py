@@ -121,7 +121,7 @@ def test_valid_sets_respect_target_features(combo, shape: str) -> None:
     assert any(c["cluster"] > 1 for c in _valid(p, "sm_90")), "sm_90 never gets a cluster config"
     # sm_80 accepts sm_90's cluster-free set here (threads are multiples of 64 throughout), less
     # the merge=grid configs whose grid its fewer SMs cannot hold all at once
-    from ckgen.target import coresident_sms
+    from ckgen.types import coresident_sms
 
     sms80 = coresident_sms(Target.named("sm_80"))
     fits80 = [c for c in _valid(p, "sm_90") if c["cluster"] == 1
@@ -245,7 +245,7 @@ def test_grid_configs_compile_and_launch_one_cooperative_kernel(slice_in: str) -
     for the per-sample barrier), the rows workspace plus one barrier counter per sample (the
     part zeroed once); x streamed again from L2 (rows) or held in registers (regs). Compiles for
     sm_90 and sm_80."""
-    from ckgen.target import coresident_sms
+    from ckgen.types import coresident_sms
 
     p = _problem("bf16", "nhwc", "swish", "cg10")
     for arch in ("sm_90", "sm_80"):
@@ -273,7 +273,7 @@ def test_grid_configs_compile_and_launch_one_cooperative_kernel(slice_in: str) -
 def test_validate_grid_rules() -> None:
     """merge=grid: refused where the blocks could not all be resident, on HIP (no cooperative
     launch there), for NCHW, for reload, and (regs) where a thread cannot hold its rows."""
-    from ckgen.target import coresident_sms
+    from ckgen.types import coresident_sms
 
     t = Target.named("sm_90")
     cfg = OP.space.default.replace(slice_in="rows", merge="grid", global_split=8, vec_bytes=16)

@@ -12,8 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..target import coresident_sms
-from ..types import DTYPES, INT32_MAX, Target
+from ..types import DTYPES, INT32_MAX, Target, coresident_sms
 from .groupnorm import MAX_SERIAL_ADDS, GroupNormProblem
 from .groupnorm_bwd import CLUSTER_MAX, DGB_LAST_MAX, MAX_TILE_CHANNELS, NCHW_STEP_VECTORS, STAGED
 

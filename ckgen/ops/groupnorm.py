@@ -9,8 +9,8 @@ from typing import Any, ClassVar, Mapping
 import numpy as np
 
 from ..space import load_space
-from ..target import coresident_sms
-from ..types import DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, short_repr
+from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, coresident_sms,
+                     short_repr)
 from .numeric import from_storage, round_to, to_storage
 from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, layered_validate, problem_of
 
@@ -56,7 +56,7 @@ def grid_barrier_fits(blocks: int, config: Config, target: Target) -> Support:
     resident at once. The launch is cooperative (the driver refuses a grid that does not fit, it
     never hangs); this check keeps such configs out of the tuner and the dispatcher: at most
     min_blocks blocks per SM (what __launch_bounds__ guarantees the registers for) on the
-    fewest SMs a device of the arch has (`ckgen.target.coresident_sms`)."""
+    fewest SMs a device of the arch has (`ckgen.types.coresident_sms`: the target's `sms`)."""
     if target.vendor != "cuda":
         return Support.no("merge=grid needs a cooperative launch (ckgen makes them on CUDA only)")
     fit = coresident_sms(target) * config["min_blocks"]

@@ -14,11 +14,12 @@ first's, instead of fitted on FLOOR_NEXT_GRID), nochain / chainsum / chainmax / 
 (GroupNorm's chain term: off, log1p(chain / roofline), log max(1, chain / roofline) (what ckgen
 uses), the same at CHAIN_US = 2, the same with the term's prior weight 1 instead of 0.5).
 OPS: comma-separated, or "all". Prints one line per variant and op family."""
-import sys, math, random, collections
+import sys, math, random, collections, importlib
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckgen import model as cm, records
-from ckgen.model import features as F, fit as fitmod
+from ckgen.model import features as F
+fitmod=importlib.import_module('ckgen.model.fit')  # the module (ckgen.model.fit is the function)
 from ckgen.ops.pool.bwd import _PoolBwd
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ckgen import model as cm
-from ckgen.model import candidates, lattice, parsed, policy
+from ckgen.model import lattice, parsed, policy
+from ckgen.model.candidates import _walk_configs
 from ckgen.dispatch import Dispatcher
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import OpSpec, Target
@@ -148,7 +149,7 @@ def test_lattice_walk_is_the_config_walk(model_on, name):
             start = list(dict.fromkeys([*first, op.space.default]))
             for limit in (cm.MAX_CANDIDATES, 40):
                 got = cm.candidate_tiers(op, p, SM90, first, usable, limit)
-                assert got == candidates._walk_configs(op, start, usable, limit), (p.key(), limit)
+                assert got == _walk_configs(op, start, usable, limit), (p.key(), limit)
 
 
 def test_winners_off_the_lattice_take_the_config_walk(model_on):
@@ -160,7 +161,7 @@ def test_winners_off_the_lattice_take_the_config_walk(model_on):
     usable = lambda c: bool(op.validate(p, c, SM90))  # noqa: E731
     start = list(dict.fromkeys([odd, *model_on.winner_configs(op), op.space.default]))
     got = cm.candidate_tiers(op, p, SM90, [odd, *model_on.winner_configs(op)], usable)
-    assert got == candidates._walk_configs(op, start, usable, cm.MAX_CANDIDATES)
+    assert got == _walk_configs(op, start, usable, cm.MAX_CANDIDATES)
     assert lattice._lattice(op.space).encode_all([odd]) is None
 
 

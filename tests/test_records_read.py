@@ -93,7 +93,7 @@ def test_the_cost_model_reads_the_version_not_the_date():
     """The fit counts a record's NCHW backward chain by its kernel version: a record dated today
     that says version 1 ran the wide rows."""
     from ckgen import model as cm
-    from ckgen.model import fit as fit_
+    from ckgen.model.fit import _prepare
 
     op = get_op("groupnorm_bwd")
     p = op.parse_problem(N=1, C=64, H=64, W=64, G=32, dtype="bf16", layout="nchw")
@@ -106,7 +106,7 @@ def test_the_cost_model_reads_the_version_not_the_date():
                 recs.append(records.make_record(op, p, target, "test", c, ok=True, time_us=10.0, kernel_version=v))
                 break
     assert len(recs) == 2 and recs[0]["date"][:4] == recs[1]["date"][:4]
-    _, geos = fit_._prepare(recs)
+    _, geos = _prepare(recs)
     assert geos[0] != geos[1]
     assert geos[0] == cm.geometry(op, p, Config.of(recs[0]["config"]), target, narrow_rows=False)
     assert geos[1] == cm.geometry(op, p, Config.of(recs[1]["config"]), target, narrow_rows=True)

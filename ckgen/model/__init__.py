@@ -28,6 +28,9 @@ The modules, one job each (no module imports one listed after it):
   - policy: the pick (`dispatch_pick`, `NEAREST_MARGIN`) and the tuner's model seeds.
   - evaluate: leave-one-out over the records.
   - command: `python -m ckgen.model fit`.
+
+`ckgen.model.fit` and `ckgen.model.candidates` are the functions re-exported here; names of their
+modules are imported with `from ckgen.model.fit import ...` (or importlib).
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def candidate_tiers(op: OpSpec, p: Problem, target: Target, winners: Iterable[Co
     if codes is None:
         return _walk_configs(op, start, usable, limit)
     admit = _class_filter(op, p, target, lat)
-    whole_step = lat.columns(np.zeros(0, dtype=np.int64)) is not None and op.has_array_form("class_check_many")
+    whole_step = lat.columns(np.zeros(0, dtype=np.int64)) is not None and op.overrides("class_check_many")
     ask = admitted or usable
     many = getattr(admitted, "many", None) if whole_step else None
     ok: list[Config] = []

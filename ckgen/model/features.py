@@ -172,9 +172,12 @@ def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Tar
         _T["cov"], _T["tail"], _T["small_work"], _T["big_work"], _T["threads"], _T["unroll"], _T["min_blocks"])
     i_sector, i_reread, i_split, i_gpb, i_scatter, i_chain = (
         _T["sector"], _T["reread"], _T["split"], _T["gpb"], _T["scatter"], _T["chain"])
-    unroll_of, vec_of, run_of, reread_of = op.model_unroll, op.model_vec_bytes, op.model_run_bytes, op.model_reread_bytes
-    split_of, slices_of, scatter_of, chain_of = (op.model_split, op.model_slices_per_block, op.model_scatter,
-                                                 op.chain_steps)
+    unroll_of, vec_of = op.model_unroll, op.model_vec_bytes
+    # the hooks whose default the op keeps are not asked per config (their terms stay 0)
+    run_of, reread_of, split_of, slices_of, scatter_of, chain_of = (
+        getattr(op, h) if op.overrides(h) else None for h in (
+            "model_run_bytes", "model_reread_bytes", "model_split", "model_slices_per_block", "model_scatter",
+            "chain_steps"))
     n_terms = len(TERM_NAMES)
     out = []
     for c in configs:
@@ -199,17 +202,19 @@ def geometry_many(op: OpSpec, p: Problem, configs: Sequence[Config], target: Tar
         phi[i_threads] = math.log2(threads / 256)
         phi[i_unroll] = math.log2(max(1, unroll))
         phi[i_min] = math.log2(d.get("min_blocks", 1))
-        run = run_of(p, c)
+        run = run_of(p, c) if run_of is not None else None
         if run is not None:
             phi[i_sector] = _sector(run)
-        reread = reread_of(p, c)
+        reread = reread_of(p, c) if reread_of is not None else 0
         if reread:
             phi[i_reread] = math.log1p(reread / need_bytes)
-        phi[i_split] = math.log2(split_of(p, c))
-        phi[i_gpb] = math.log2(slices_of(p, c))
-        if scatter_of(p, c):
+        if split_of is not None:
+            phi[i_split] = math.log2(split_of(p, c))
+        if slices_of is not None:
+            phi[i_gpb] = math.log2(slices_of(p, c))
+        if scatter_of is not None and scatter_of(p, c):
             phi[i_scatter] = 1.0
-        if CHAIN:
+        if CHAIN and chain_of is not None:
             steps = chain_of(p, c, narrow_rule)
             if steps:
                 ratio = steps * math.ceil(waves) * CHAIN_US / (need_bytes / BW_BYTES_PER_US)
@@ -260,7 +265,7 @@ def _geometry_arrays(op: OpSpec, p: Problem, configs: Sequence[Config], target: 
     transcendental functions taken from `math` by distinct value (`_exact`): equal to
     `geometry` exactly. None where the op has no such form, or a config or the problem is
     outside it (`geometry_many` then goes config by config)."""
-    if not configs or not op.has_array_form("geometry_columns"):
+    if not configs or not op.overrides("geometry_columns"):
         return None
     need_bytes = op.min_bytes(p)
     if not 0 < need_bytes < 1 << 50:

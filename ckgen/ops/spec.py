@@ -369,8 +369,9 @@ class OpSpec(abc.ABC):
         hooks config by config."""
         return None
 
-    def has_array_form(self, method: str) -> bool:
-        """Whether the op's class overrides `method` (`class_check_many`, `geometry_columns`) with
-        an array form: the candidate walk then checks a whole step of the space's lattice at once,
-        and the model predicts a batch of configs on arrays."""
+    def overrides(self, method: str) -> bool:
+        """Whether the op's class overrides OpSpec's `method`: where `class_check_many` or
+        `geometry_columns` is overridden the candidate walk checks a whole step of the space's
+        lattice at once and the model predicts on arrays; a `model_*` hook left at its default
+        is not asked per config (its default holds for every config)."""
         return getattr(type(self), method) is not getattr(OpSpec, method)

@@ -1,4 +1,4 @@
-"""The dispatcher's sibling rule (costmodel.NEAREST_MARGIN / NEAREST_DISTANCE), checked by
+"""The dispatcher's sibling rule (ckgen.model.NEAREST_MARGIN / NEAREST_DISTANCE), checked by
 leave-one-problem-out over the shipped records, CPU only (about 8 minutes per shard):
 
     python bench/costmodel_incumbent_loo.py [SHARD NSHARDS]    # then: --summary FILES...
@@ -21,7 +21,7 @@ MARGINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, math.inf)
 
 
 def rows(shard: int, nshards: int) -> None:
-    from ckgen import costmodel as cm
+    from ckgen import model as cm
     from ckgen import records
     from ckgen.ops import get_op
     from ckgen.ops.spec import Target

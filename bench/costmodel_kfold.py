@@ -14,16 +14,21 @@ first's, instead of fitted on FLOOR_NEXT_GRID), nochain / chainsum / chainmax / 
 (GroupNorm's chain term: off, log1p(chain / roofline), log max(1, chain / roofline) (what ckgen
 uses), the same at CHAIN_US = 2, the same with the term's prior weight 1 instead of 0.5).
 OPS: comma-separated, or "all". Prints one line per variant and op family."""
-import sys, math, random, collections
+import sys, math, random, collections, importlib
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ckgen import costmodel as cm, records
+from ckgen import model as cm, records
+from ckgen.model import features as F
+fitmod=importlib.import_module('ckgen.model.fit')  # the module (ckgen.model.fit is the function)
+from ckgen.ops.pool.bwd import _PoolBwd
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 recs=records.read(records.packaged_records_path())
 variant=sys.argv[1]; ops_sel=sys.argv[2].split(',') if len(sys.argv)>2 else ['maxpool2d_fwd','avgpool2d_fwd']
 if ops_sel==['all']: ops_sel=sorted({r['op'] for r in recs})
-orig=cm._regs
+orig=F._regs
+def no_recompute():  # no re-read term for the max backward's recompute
+    _PoolBwd.model_reread_bytes=lambda self,p,c: 0
 def legacy(op,p,c):
     if op.name in ('maxpool2d_fwd','avgpool2d_fwd') and p.layout=='nhwc':
         th,tw=op.tile(c); vec=op.vec_elems(p,c); idx=getattr(p,'return_indices',False)
@@ -34,22 +39,22 @@ def needed(op,p,c):
     if op.name.startswith('groupnorm'): return orig(op,p,c)
     return max(32, op._regs_needed(p,c))
 if variant=='samefloor':  # every launch of a call costs the same floor
-    cm.FLOOR_NEXT_GRID=(1.0,); cm.RECOMPUTE_REREAD=False; variant_regs='used'
+    fitmod.FLOOR_NEXT_GRID=(1.0,); no_recompute(); variant_regs='used'
 elif variant in ('next025','next05','next1'):  # the further launches' floor pinned at this fraction of the first
-    cm.FLOOR_NEXT_GRID=({'next025':0.25,'next05':0.5,'next1':1.0}[variant],); variant_regs='used'
+    fitmod.FLOOR_NEXT_GRID=({'next025':0.25,'next05':0.5,'next1':1.0}[variant],); variant_regs='used'
 elif variant=='norecompute':  # the floor split, but no re-read term for the max backward's recompute
-    cm.RECOMPUTE_REREAD=False; variant_regs='used'
+    no_recompute(); variant_regs='used'
 elif variant in ('nochain','chainsum','chainmax','chainmax2','chainmaxp1'):  # the chain term: off, log1p, log max(1, .)
-    cm.CHAIN={'nochain':None,'chainsum':'sum','chainmax':'max','chainmax2':'max','chainmaxp1':'max'}[variant]; variant_regs='used'
-    if variant=='chainmax2': cm.CHAIN_US=2.0
-    if variant=='chainmaxp1': cm.PRIOR[cm.TERM_NAMES.index('chain')]=1.0
+    F.CHAIN={'nochain':None,'chainsum':'sum','chainmax':'max','chainmax2':'max','chainmaxp1':'max'}[variant]; variant_regs='used'
+    if variant=='chainmax2': F.CHAIN_US=2.0
+    if variant=='chainmaxp1': F.PRIOR[F.TERM_NAMES.index('chain')]=1.0
 else:
     variant_regs=variant
 # most records were timed with the NCHW backward's wide rows (only the re-timed shipped winners,
 # one record per problem, ran the narrow ones): score picks against the wide-row rule
 # (the fit itself counts each record's chain with the rule of its date)
-cm.PREDICT_NARROW_ROWS=False
-cm._regs={'legacy':legacy,'needed':needed,'used':orig}[variant_regs]
+F.PREDICT_NARROW_ROWS=False
+F._regs={'legacy':legacy,'needed':needed,'used':orig}[variant_regs]
 probs=sorted({(r['op'],r['arch'],r['problem']) for r in recs if r['op'] in ops_sel})
 random.Random(0).shuffle(probs)
 K=5; out=[]

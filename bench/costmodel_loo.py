@@ -4,9 +4,9 @@
 
 Each exhaustive sweep (tests/data/sweeps) is held out in turn; a model is fit on every other
 shipped record (ckgen/data/records.jsonl.gz) and picks among the held-out problem's candidates
-(ckgen.costmodel.candidates) that the sweep timed. Printed as the picked config's time / the
+(ckgen.model.candidates) that the sweep timed. Printed as the picked config's time / the
 sweep's best, for:
-  - roofline: ckgen's model (ckgen/costmodel.py), an analytical roofline with fitted terms;
+  - roofline: ckgen's model (ckgen/model/), an analytical roofline with fitted terms;
   - gbt: scikit-learn's HistGradientBoostingRegressor on the same phi terms plus the problem's
     features (log sizes, layout, dtype bytes), predicting log time (when scikit-learn is installed);
   - nearest: the winner of the nearest other recorded problem (the dispatcher without a model);
@@ -27,16 +27,18 @@ def gbt_pick(rest, op, p, target, cands):
     import numpy as np
     from sklearn.ensemble import HistGradientBoostingRegressor
 
-    from ckgen import costmodel as cm
+    from ckgen import model as cm
+    from ckgen.model.features import _phi_matrix
+    from ckgen.model.fit import _usable_records
 
     def row(op_, p_, c_, t_):
         g = cm.geometry(op_, p_, c_, t_)
-        phi = cm._phi_matrix([g], 2e6)[0]
+        phi = _phi_matrix([g], 2e6)[0]
         return [*phi, g.launches, g.log_roof, g.log_inflight, math.log(p_.N), math.log(p_.C), math.log(p_.H * p_.W),
                 float(p_.layout == "nhwc"), float(p_.dtype != "fp32")]
 
     X, y = [], []
-    for r, op_, p_, t_, c_ in cm._usable_records(rest):
+    for r, op_, p_, t_, c_ in _usable_records(rest):
         X.append(row(op_, p_, c_, t_))
         y.append(math.log(float(r["time_us"])))
     model = HistGradientBoostingRegressor(max_iter=300, learning_rate=0.05, random_state=0)
@@ -73,7 +75,7 @@ def all_problems(recs, fitter=None, as_dispatched=True) -> list:
     """Every recorded problem with at least two timed configs held out in turn (fit on the rest,
     pick among its timed candidates: those the dispatcher would rank, by default); returns the
     LooResult rows."""
-    from ckgen import costmodel as cm
+    from ckgen import model as cm
 
     return cm.leave_one_out(recs, min_recorded=2, fitter=fitter, as_dispatched=as_dispatched, source=None)
 
@@ -82,14 +84,14 @@ MARGINS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, math.inf)  # inf: the near tier alone
 
 
 def margins(recs, subsets: int = 30) -> None:
-    """How large must a wide-tier candidate's predicted gain be (costmodel.WIDE_MARGIN)? Each
+    """How large must a wide-tier candidate's predicted gain be (ckgen.model.WIDE_MARGIN)? Each
     problem held out (fit on the rest, once), its picks under each margin: over every recorded
     problem (candidates as dispatched, restricted to the timed ones), and on the exhaustive sweeps
     (every candidate timed: the check of ranking among many untimed configs), there also from
     `subsets` seeded random thirds of the winners (other starting points, the same sweep)."""
     import random
 
-    from ckgen import costmodel as cm
+    from ckgen import model as cm
     from ckgen.ops import get_op
     from ckgen.ops.spec import Target
     from ckgen.records import by_problem
@@ -149,7 +151,7 @@ def main() -> int:
     ap.add_argument("--reach", action="store_true",
                     help="with --all: candidates searched among timed configs only (reaches further than dispatch)")
     ap.add_argument("--margins", action="store_true",
-                    help="the wide tier's margin (costmodel.WIDE_MARGIN): all problems and the sweeps per margin")
+                    help="the wide tier's margin (ckgen.model.WIDE_MARGIN): all problems and the sweeps per margin")
     args = ap.parse_args()
     if args.margins:
         from ckgen import records
@@ -169,7 +171,7 @@ def main() -> int:
               "(model: the roofline's two-tier pick; near_only: its pick among the near tier; oracle: the best timed candidate)")
         print("\n".join(summarize(res, ("model", "near_only", "nearest", "default", "oracle"))))
         return 0
-    from ckgen import costmodel as cm
+    from ckgen import model as cm
     from ckgen import records
     from ckgen.ops import get_op
     from ckgen.ops.spec import Target
@@ -204,7 +206,7 @@ def pairs(recs) -> None:
     """Every other recorded problem holds a winner and the default's time (the shipped DB): held
     out in turn, does the roofline model rank the two the right way round (where they differ by
     5% or more)? A weak check (one pair per problem), over every op."""
-    from ckgen import costmodel as cm
+    from ckgen import model as cm
     from ckgen.ops import get_op
     from ckgen.ops.spec import Config, Target
 

@@ -782,13 +782,13 @@ def cmd_db_where(args: argparse.Namespace) -> int:
     place("compiled kernels", lambda: (str(settings.kernel_cache_dir()), f"${settings.ENV_KERNEL_CACHE}"
                                        if os.environ.get(settings.ENV_KERNEL_CACHE) else "the cache dir",
                                        "exists" if settings.kernel_cache_dir().is_dir() else "not created yet"))
-    from . import costmodel, records
+    from . import model as cost_model, records
 
     def model_row() -> Any:
-        model = costmodel.model_path()
+        model = cost_model.model_path()
         return (str(model) if model else "",
                 f"${settings.ENV_MODEL}" if env(settings.ENV_MODEL) else
-                "beside the user DB" if model == costmodel.user_model_path() else "the package",
+                "beside the user DB" if model == cost_model.user_model_path() else "the package",
                 "off" if model is None else "exists" if model.is_file() else "missing (the dispatcher goes on without it)")
 
     place("cost model", model_row)

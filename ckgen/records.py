@@ -1,5 +1,5 @@
 """Tuning records: every measured (problem, config) of every tuning run, kept as data for the
-config cost model (ckgen/costmodel.py).
+config cost model (ckgen/model/).
 
 A record is one JSON object per line (JSON Lines):
 
@@ -51,7 +51,7 @@ LOCK_TIMEOUT_S = 60.0
 # so that the cost model can fit records of either version by the rule they ran:
 #   1: the NCHW GroupNorm backward's sums walked a channel in rows as wide as the channel (up to
 #      the block);
-#   2: in rows as narrow as sweep a channel in one step (`costmodel.chain_steps`, narrow_rows).
+#   2: in rows as narrow as sweep a channel in one step (`OpSpec.chain_steps`, narrow_rows).
 KERNEL_VERSION = 2
 # The migration rule for legacy records, which carry no kernel_version (those written before it
 # existed: old user records files, the repo's tuning-run records): a record dated from this time
@@ -222,7 +222,7 @@ def read_cached(path: Path | str) -> list[dict[str, Any]]:
 
 
 def all_records(include_user: bool = True) -> list[dict[str, Any]]:
-    """The shipped records, then the user's (what `python -m ckgen.costmodel fit` trains on and
+    """The shipped records, then the user's (what `python -m ckgen.model fit` trains on and
     what the tuner's neighbour seeds come from); a new list of shared records (`read_cached`)."""
     out = list(read_cached(packaged_records_path()))
     if include_user:

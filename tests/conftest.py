@@ -76,11 +76,11 @@ def _isolated_db(tmp_path, monkeypatch):
 def model_on(monkeypatch):
     """The packaged cost model, as a user without CKGEN_MODEL gets it (`_isolated_db` turns it off)."""
     import ckgen
-    from ckgen import costmodel
+    from ckgen import model as cm
 
     monkeypatch.delenv("CKGEN_MODEL", raising=False)
     ckgen.reload_db()
-    yield costmodel.load()
+    yield cm.load()
     ckgen.reload_db()
 
 

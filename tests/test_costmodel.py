@@ -1,4 +1,4 @@
-"""The config cost model (ckgen/costmodel.py) and the tuning records (ckgen/records.py), CPU
+"""The config cost model (ckgen/model/) and the tuning records (ckgen/records.py), CPU
 tier: the model loads and ranks with no GPU, the dispatcher's model choice is always a valid
 config, a missing or corrupt model file falls back to nearest-tuned with one warning, the
 held-out problems are not in the training records, the tuner seeds from the model and records
@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings as hsettings, strategies as st
 
 import ckgen
-from ckgen import costmodel, records
+from ckgen import model as cm, records
+from ckgen.model import policy, store
 from ckgen import db as dbmod
 from ckgen import settings
 from ckgen.dispatch import Dispatcher
@@ -44,18 +45,18 @@ def _heldout():
 
 
 def test_packaged_model_loads_fast_without_a_gpu(model_on):
-    assert costmodel.model_path() == costmodel.packaged_model_path()
+    assert cm.model_path() == cm.packaged_model_path()
     # The CPU time of this thread, best of 3: what the parse costs, not what other processes on the
     # machine take from it. CI's 2-core machine once took 1,012 ms of wall time for a load that
     # costs 30-55 ms of CPU (CI of 6088f12), while the workers and servers of the tests before it
     # shared the cores.
     took = []
     for _ in range(3):
-        costmodel._loaded.clear()
+        store._loaded.clear()
         wall0, cpu0 = time.perf_counter(), time.thread_time()
-        model = costmodel.load()
+        model = cm.load()
         took.append((time.thread_time() - cpu0, time.perf_counter() - wall0))
-    assert isinstance(model, costmodel.CostModel)
+    assert isinstance(model, cm.CostModel)
     cpu, wall = min(took)
     print(f"\ncost model: {model.summary()}; loaded in {1e3 * cpu:.1f} ms of CPU ({1e3 * wall:.1f} ms wall)")
     # ~2.3 MB of JSON (1,326 recorded problems), most of it the residual table in flat lists
@@ -91,8 +92,8 @@ def test_model_prefers_splitting_few_large_slices(model_on):
 
 def test_model_file_round_trips(model_on, tmp_path):
     p = GN.parse_problem(N=2, C=320, H=64, W=64, G=32, dtype="fp16", layout="nhwc")
-    again = costmodel.CostModel.from_doc(json.loads(costmodel.dumps(model_on)))
-    cands = costmodel.candidates(GN, p, SM90, model_on.winner_configs(GN), lambda c: bool(GN.validate(p, c, SM90)))
+    again = cm.CostModel.from_doc(json.loads(cm.dumps(model_on)))
+    cands = cm.candidates(GN, p, SM90, model_on.winner_configs(GN), lambda c: bool(GN.validate(p, c, SM90)))
     assert model_on.rank(GN, p, cands, SM90) == again.rank(GN, p, cands, SM90)
 
 
@@ -104,12 +105,12 @@ def test_further_launches_have_their_own_floor(model_on):
     assert 0 <= m.floor_next_us <= m.floor_us
     assert m.launch_us(1) == pytest.approx(m.floor_us)
     assert m.launch_us(3) == pytest.approx(m.floor_us + 2 * m.floor_next_us)
-    doc = json.loads(costmodel.dumps(m))
+    doc = json.loads(cm.dumps(m))
     del doc["floor_next_us"]
-    old = costmodel.CostModel.from_doc(doc)
+    old = cm.CostModel.from_doc(doc)
     assert old.launch_us(3) == pytest.approx(3 * m.floor_us)
-    with pytest.raises(costmodel.ModelError, match="out of range"):
-        costmodel.CostModel.from_doc({**doc, "floor_next_us": -1.0})
+    with pytest.raises(cm.ModelError, match="out of range"):
+        cm.CostModel.from_doc({**doc, "floor_next_us": -1.0})
 
 
 def test_recompute_backward_counts_the_x_it_reads_again():
@@ -117,14 +118,14 @@ def test_recompute_backward_counts_the_x_it_reads_again():
     outputs' windows; a 1-row tile at k3 s2 reads more of it per input than a 2-row one (the
     ResNet-stem sweeps time th=1 at ~2x), stored indices read no x at all."""
     op = get_op("maxpool2d_bwd")
-    reread = costmodel.TERM_NAMES.index("reread")
+    reread = cm.TERM_NAMES.index("reread")
 
     def phi(indices, th, tw, layout="nchw"):
         p = op.problem_from_key(f"N=32,C=64,H=112,W=112,k=3x3,s=2x2,p=1x1,d=1x1,ceil=0,dtype=fp32,"
                                 f"layout={layout},indices={indices}")
         c = Config.of(dict(algo="gather", block_rows=1, min_blocks=4, th=th, threads=64, tw=tw, vec_bytes=4))
         assert op.validate(p, c, SM90), (indices, th, tw, layout)
-        return costmodel.geometry(op, p, c, SM90).phi[reread]
+        return cm.geometry(op, p, c, SM90).phi[reread]
 
     for layout in ("nchw", "nhwc"):
         assert phi("recompute", 1, 8, layout) > phi("recompute", 2, 8, layout) > 0
@@ -144,12 +145,12 @@ def test_measured_correction_follows_nearby_timings_and_only_those():
     recorded = {r["problem"] for r in records.read(records.packaged_records_path())}
     assert near.key() not in recorded and ask.key() not in recorded
     valid = [c for c in GN.space.enumerate() if GN.validate(near, c, SM90) and GN.validate(ask, c, SM90)][:40]
-    base = copy.deepcopy(costmodel.packaged_fit_data().fit())  # shared: changed below
+    base = copy.deepcopy(cm.packaged_fit_data().fit())  # shared: changed below
     base.residuals = {}
     pred = {c: base.predict(GN, near, c, SM90).gpu_us for c in valid}
     slow = valid[5]
     times = {c: pred[c] * (8.0 if c == slow else 1.0) for c in valid}  # the model is right but for one
-    model = costmodel.packaged_fit_data().extended(_records_for(GN, near, times)).fit()
+    model = cm.packaged_fit_data().extended(_records_for(GN, near, times)).fit()
     corr = dict(zip(valid, model.corrections(GN, ask, valid, SM90)))
     assert corr[slow] > 0.4  # log(8) = 2.1, weighted by exp(-distance) (dtype differs: 2) and shrunk
     assert statistics.median(abs(v) for c, v in corr.items() if c != slow) < 0.1 * corr[slow]
@@ -164,23 +165,23 @@ def test_measured_correction_follows_nearby_timings_and_only_those():
 
 
 def test_model_with_a_malformed_residual_table_is_rejected():
-    doc = json.loads(costmodel.packaged_model_path().read_text())
+    doc = json.loads(cm.packaged_model_path().read_text())
     assert doc["residuals"] and doc["correction"]["tau"] > 0
     gn = doc["residuals"]["groupnorm_fwd"]
     out_of_range = {**gn, "problem": [len(gn["problems"])] + gn["problem"][1:]}
     not_finite = {**gn, "residual": [float("inf")] + gn["residual"][1:]}
     for bad in ({"groupnorm_fwd": []}, {"groupnorm_fwd": {"problems": []}}, [],
                 {"groupnorm_fwd": out_of_range}, {"groupnorm_fwd": not_finite}):
-        with pytest.raises(costmodel.ModelError, match="residuals"):
-            costmodel.CostModel.from_doc({**doc, "residuals": bad})
-    with pytest.raises(costmodel.ModelError, match="correction"):
-        costmodel.CostModel.from_doc({**doc, "correction": {"tau": float("nan")}})
+        with pytest.raises(cm.ModelError, match="residuals"):
+            cm.CostModel.from_doc({**doc, "residuals": bad})
+    with pytest.raises(cm.ModelError, match="correction"):
+        cm.CostModel.from_doc({**doc, "correction": {"tau": float("nan")}})
 
 
 def test_packaged_model_is_fit_from_the_packaged_records():
     """A drift check, as for generated/: tools/build_records.py refits it (deterministic)."""
-    fitted = costmodel.packaged_fit_data().fit()
-    assert costmodel.dumps(fitted) == costmodel.packaged_model_path().read_text()
+    fitted = cm.packaged_fit_data().fit()
+    assert cm.dumps(fitted) == cm.packaged_model_path().read_text()
 
 
 def test_fits_of_prepared_records_are_the_fits_of_those_records():
@@ -189,14 +190,14 @@ def test_fits_of_prepared_records_are_the_fits_of_those_records():
     those records (the pooling forward records: a fit of seconds)."""
     recs = [r for r in records.read_cached(records.packaged_records_path())
             if r["op"] in ("maxpool2d_fwd", "avgpool2d_fwd")]
-    data = costmodel.FitData(recs)
+    data = cm.FitData(recs)
     held = next((r["op"], r["problem"]) for r in recs if r["op"] == "avgpool2d_fwd")
     rest = [r for r in recs if (r["op"], r["problem"]) != held]
-    assert costmodel.dumps(data.fit(exclude=held)) == costmodel.dumps(costmodel.fit(rest))
+    assert cm.dumps(data.fit(exclude=held)) == cm.dumps(cm.fit(rest))
     assert data.fit(exclude=held) is data.fit(exclude=held)  # remembered
     more, base = recs[: len(recs) // 3], recs[len(recs) // 3:]
-    assert costmodel.dumps(costmodel.FitData(base).extended(more).fit()) == costmodel.dumps(costmodel.fit(base + more))
-    assert costmodel.dumps(data.fit()) != costmodel.dumps(data.fit(exclude=held))
+    assert cm.dumps(cm.FitData(base).extended(more).fit()) == cm.dumps(cm.fit(base + more))
+    assert cm.dumps(data.fit()) != cm.dumps(data.fit(exclude=held))
 
 
 # ------------------------------------------------------------------ validity, property-based
@@ -252,7 +253,7 @@ def test_model_choice_is_always_a_valid_config(model_on, op_name, data):
 def test_tuner_seeds_are_valid_and_from_the_model(model_on):
     p = GN.parse_problem(N=3, C=96, H=40, W=24, G=24, dtype="fp32", layout="nhwc")
     ok = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
-    seeds = costmodel.top_configs(GN, p, SM90, 5, ok)
+    seeds = cm.top_configs(GN, p, SM90, 5, ok)
     assert len(seeds) == 5 == len(set(seeds)) and all(ok(c) for c in seeds)
     assert seeds[0] == model_on.choose(GN, p, SM90, ok)[0]
 
@@ -293,13 +294,13 @@ def test_db_winners_are_candidates(model_on):
                and c not in model_on.winner_configs(GN) and c["threads"] == 128 and c["min_blocks"] == 4)
     mine = [_entry(q, odd)]
     usable = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
-    without = costmodel.candidates(GN, p, SM90, model_on.winner_configs(GN), usable)
+    without = cm.candidates(GN, p, SM90, model_on.winner_configs(GN), usable)
     assert odd not in without[:1]
-    picked = costmodel.dispatch_pick(GN, p, SM90, mine, usable)
+    picked = cm.dispatch_pick(GN, p, SM90, mine, usable)
     assert picked is not None
-    cands, near = costmodel.candidate_tiers(GN, p, SM90, [odd, *model_on.winner_configs(GN)], usable)
+    cands, near = cm.candidate_tiers(GN, p, SM90, [odd, *model_on.winner_configs(GN)], usable)
     assert cands[0] == odd and picked[2] == len(cands)  # both tiers ranked
-    assert costmodel.candidates(GN, p, SM90, [odd, *model_on.winner_configs(GN)], usable) == cands[:near]
+    assert cm.candidates(GN, p, SM90, [odd, *model_on.winner_configs(GN)], usable) == cands[:near]
 
 
 def test_split_winners_are_carried_with_their_grid(model_on, monkeypatch):
@@ -310,33 +311,46 @@ def test_split_winners_are_carried_with_their_grid(model_on, monkeypatch):
     w = GN.space.default.replace(threads=1024, vec_bytes=8, items=4, slice_in="rows", merge="global",
                                  global_split=16, min_blocks=1)
     assert GN.validate(q, w, SM90) and GN.validate(p, w, SM90)
-    g = costmodel.grid_matched(GN, q, p, w, SM90)
+    g = cm.grid_matched(GN, q, p, w, SM90)
     assert g == w.replace(global_split=128)
     assert [l.grid[0] for l in GN.launches(p, g, SM90)] == [q.N * 16] * 2
-    assert costmodel.grid_matched(GN, q, q, w, SM90) is None  # the same grid already
-    assert costmodel.grid_matched(GN, q, p, w.replace(global_split=1, merge="cluster", slice_in="reload"), SM90) is None
+    assert cm.grid_matched(GN, q, q, w, SM90) is None  # the same grid already
+    assert cm.grid_matched(GN, q, p, w.replace(global_split=1, merge="cluster", slice_in="reload"), SM90) is None
     pool = get_op("maxpool2d_fwd")
     pp = pool.parse_problem(N=1, C=64, H=56, W=56, dtype="bf16", layout="nhwc", kernel=3, stride=2, padding=1)
-    assert costmodel.grid_matched(pool, pp, pp, pool.space.default, SM90) is None  # no split knob
+    assert cm.grid_matched(pool, pp, pp, pool.space.default, SM90) is None  # no split knob
     # the backward's split: multi_stage at batch 16, 8 blocks per (n, group tile), carried to batch 2
     bwd = get_op("groupnorm_bwd")
     bq = bwd.parse_problem(N=16, C=512, H=64, W=64, G=32, dtype="bf16", layout="nchw")
     bp = bwd.parse_problem(N=2, C=512, H=64, W=64, G=32, dtype="bf16", layout="nchw")
     bw = bwd.space.default.replace(scheme="multi_stage", split=8)
-    bg = costmodel.grid_matched(bwd, bq, bp, bw, SM90)
+    bg = cm.grid_matched(bwd, bq, bp, bw, SM90)
     assert bg == bw.replace(split=64)  # 8x the blocks per slice; 64 is the space's largest
     # and dispatch_pick hands both to the model as candidates
     seen = []
-    real = costmodel.CostModel.choose
+    real = cm.CostModel.choose
 
     def spy(self, op, prob, target, usable, extra_winners=(), accept=None, admitted=None):
         extra_winners = list(extra_winners)
         seen.append(extra_winners)
         return real(self, op, prob, target, usable, extra_winners, accept, admitted)
 
-    monkeypatch.setattr(costmodel.CostModel, "choose", spy)
-    costmodel.dispatch_pick(GN, p, SM90, [_entry(q, w)], lambda c: bool(GN.validate(p, c, SM90)))
+    monkeypatch.setattr(cm.CostModel, "choose", spy)
+    cm.dispatch_pick(GN, p, SM90, [_entry(q, w)], lambda c: bool(GN.validate(p, c, SM90)))
     assert seen and seen[0][:2] == [w, g]
+
+
+def _patch_where_tune_looks(monkeypatch, name, value):
+    """`name` replaced in ckgen.model and in the module ckgen/tune.py looks it up in (the
+    re-exporting ckgen/costmodel.py, while that shim lasts)."""
+    import importlib
+    import importlib.util
+
+    from ckgen import model
+
+    monkeypatch.setattr(model, name, value)
+    if importlib.util.find_spec("ckgen.costmodel") is not None:
+        monkeypatch.setattr(importlib.import_module("ckgen.costmodel"), name, value)
 
 
 def test_the_tuners_seeds_carry_recorded_winners_with_their_grid(model_on, monkeypatch):
@@ -354,18 +368,18 @@ def test_the_tuners_seeds_carry_recorded_winners_with_their_grid(model_on, monke
                                     global_split=4, min_blocks=1)
     assert GN.validate(q, slow, SM90)
     recs = [recmod.make_record(GN, q, SM90, "test", c, ok=True, time_us=t) for c, t in ((w, 10.0), (slow, 12.0))]
-    assert costmodel.recorded_winners(recs, GN, "sm_90") == [(w, q.key())]
-    assert costmodel.recorded_winners(recs, GN, "sm_80") == []
+    assert cm.recorded_winners(recs, GN, "sm_90") == [(w, q.key())]
+    assert cm.recorded_winners(recs, GN, "sm_80") == []
     g = w.replace(global_split=128)
-    assert costmodel.carried_winners(GN, p, SM90, costmodel.recorded_winners(recs, GN, "sm_90")) == [g]
+    assert cm.carried_winners(GN, p, SM90, cm.recorded_winners(recs, GN, "sm_90")) == [g]
     seen = []
-    real = costmodel.top_configs
+    real = cm.top_configs
 
     def spy(op, prob, target, count, allowed, model=None, extra_winners=()):
         seen.append(list(extra_winners))
         return real(op, prob, target, count, allowed, model=model, extra_winners=extra_winners)
 
-    monkeypatch.setattr(costmodel, "top_configs", spy)
+    _patch_where_tune_looks(monkeypatch, "top_configs", spy)
     picks = tune.model_picks(GN, p, SM90, 40, records=recs)
     assert seen == [[g]]
     assert w in picks  # the neighbour's own winner, as before
@@ -380,27 +394,27 @@ def test_a_tuned_siblings_winner_stays_unless_the_model_is_sure(model_on, monkey
     p = GN.parse_problem(N=6, C=320, H=48, W=48, G=32, dtype="fp16", layout="nhwc")
     sib = GN.parse_problem(N=6, C=320, H=48, W=48, G=32, dtype="bf16", layout="nhwc")  # distance 2
     far = GN.parse_problem(N=24, C=320, H=48, W=48, G=32, dtype="bf16", layout="nhwc")
-    assert GN.distance(p, sib) <= costmodel.NEAREST_DISTANCE < GN.distance(p, far)
+    assert GN.distance(p, sib) <= cm.NEAREST_DISTANCE < GN.distance(p, far)
     usable = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
-    monkeypatch.setattr(costmodel, "NEAREST_MARGIN", None)
-    free, free_pred, _, none = costmodel.dispatch_pick(GN, p, SM90, [], usable)
+    monkeypatch.setattr(policy, "NEAREST_MARGIN", None)
+    free, free_pred, _, none = cm.dispatch_pick(GN, p, SM90, [], usable)
     assert none is None
     assert free_pred.gpu_us > free_pred.host_us  # GPU-bound: configs differ in time per call
     ranked = model_on.rank(GN, p, [c for c in GN.space.enumerate() if usable(c) and GN.validate(sib, c, SM90)
                                    and GN.validate(far, c, SM90)], SM90)
     close = next(c for pred, c in ranked if free_pred.total_us * 1.05 < pred.total_us < free_pred.total_us * 1.2)
     slow = next(c for pred, c in ranked if pred.total_us > free_pred.total_us * 2)
-    assert costmodel.dispatch_pick(GN, p, SM90, [_entry(sib, close)], usable)[0] != close  # no incumbent rule
-    monkeypatch.setattr(costmodel, "NEAREST_MARGIN", 0.3)
-    got = costmodel.dispatch_pick(GN, p, SM90, [_entry(sib, close)], usable)
+    assert cm.dispatch_pick(GN, p, SM90, [_entry(sib, close)], usable)[0] != close  # no incumbent rule
+    monkeypatch.setattr(policy, "NEAREST_MARGIN", 0.3)
+    got = cm.dispatch_pick(GN, p, SM90, [_entry(sib, close)], usable)
     assert got[0] == close and got[1].gpu_us == pytest.approx(model_on.predict(GN, p, close, SM90).gpu_us)
     assert got[3] == sib.key()
     dbmod.save_entries(settings.user_db_path(), [_entry(sib, close)])
     ckgen.reload_db()
     choice, _ = Dispatcher().choose(GN, p, SM90)
     assert choice.source == "model" and choice.config == close and f"tuned sibling {sib.key()}" in choice.reason
-    assert costmodel.dispatch_pick(GN, p, SM90, [_entry(far, close)], usable)[0] != close  # not a sibling
-    assert costmodel.dispatch_pick(GN, p, SM90, [_entry(sib, slow)], usable)[0] != slow  # the model is sure
+    assert cm.dispatch_pick(GN, p, SM90, [_entry(far, close)], usable)[0] != close  # not a sibling
+    assert cm.dispatch_pick(GN, p, SM90, [_entry(sib, slow)], usable)[0] != slow  # the model is sure
 
 
 @pytest.mark.parametrize("content", [None, b"{not json", b'{"format": "ckgen-costmodel", "version": 1}',
@@ -419,16 +433,16 @@ def test_missing_or_corrupt_model_falls_back_to_nearest_with_one_warning(tmp_pat
         warnings.simplefilter("always")
         a, _ = d.choose(GN, GN.parse_problem(N=4, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw"), SM90)
         b, _ = d.choose(GN, GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw"), SM90)
-        assert costmodel.top_configs(GN, near, SM90, 3, lambda c: True) == []
+        assert cm.top_configs(GN, near, SM90, 3, lambda c: True) == []
     assert a.source == b.source == "nearest" and a.config == b.config == cfg
-    mine = [w for w in caught if issubclass(w.category, costmodel.ModelWarning)]
+    mine = [w for w in caught if issubclass(w.category, cm.ModelWarning)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     assert str(path) in str(mine[0].message) and "nearest" in str(mine[0].message)
 
 
 def test_model_off_gives_todays_fallback(monkeypatch):
     monkeypatch.setenv("CKGEN_MODEL", "off")
-    assert costmodel.model_path() is None and costmodel.load() is None
+    assert cm.model_path() is None and cm.load() is None
     choice, _ = Dispatcher().choose(GN, GN.parse_problem(N=2, C=96, H=30, W=30, G=8, dtype="fp16",
                                                          layout="nhwc"), SM90)
     assert choice.source == "default"
@@ -436,10 +450,10 @@ def test_model_off_gives_todays_fallback(monkeypatch):
 
 def test_user_fitted_model_is_preferred(tmp_path, monkeypatch, model_on):
     monkeypatch.delenv("CKGEN_MODEL", raising=False)
-    assert costmodel.main(["fit", "--no-user"]) == 0
-    assert costmodel.model_path() == costmodel.user_model_path()
-    assert costmodel.user_model_path().parent == settings.user_db_path().parent
-    assert isinstance(costmodel.load(), costmodel.CostModel)
+    assert cm.main(["fit", "--no-user"]) == 0
+    assert cm.model_path() == cm.user_model_path()
+    assert cm.user_model_path().parent == settings.user_db_path().parent
+    assert isinstance(cm.load(), cm.CostModel)
 
 
 # ------------------------------------------------------------------ records
@@ -453,7 +467,7 @@ def test_heldout_problems_are_not_in_the_training_records():
     for case in h.load_cases():
         op, p = h.problem_of(case)
         assert (op.name, p.key()) not in trained, f"held-out {op.name} {p.key()} is in the training records"
-    model = json.loads(costmodel.packaged_model_path().read_text())
+    model = json.loads(cm.packaged_model_path().read_text())
     # the fit learns from timed records: a problem whose every trial failed (grid-s4's max pool
     # bwd 16x512x20x20 k5 s1 fp32 NHWC, which the fixed fp32 tolerance rejected) brings none
     timed = {(r["op"], r["arch"], r["problem"]) for r in shipped if r.get("ok")}
@@ -542,7 +556,7 @@ def sweep_loo():
     """Each exhaustive sweep held out in turn (`costmodel.leave_one_out`): the model fit on every
     other record picks among its candidates that the sweep timed. The held-out fits are those the
     replays seed from (`costmodel.packaged_fit_data()`), made once per test run."""
-    res = costmodel.leave_one_out(costmodel.packaged_fit_data())
+    res = cm.leave_one_out(cm.packaged_fit_data())
     print("\nleave-one-out on the sweeps (time / the sweep's best):")
     for r in res:
         print(f"  {r.op} {r.problem}: model {r.model:.3f}x, best candidate {r.oracle:.3f}x, nearest "
@@ -624,9 +638,9 @@ def test_choose_takes_the_first_accepted_of_the_best_few(model_on):
     asked of no more than those."""
     p = GN.parse_problem(N=2, C=96, H=30, W=30, G=8, dtype="fp16", layout="nhwc")
     usable = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
-    cands, near = costmodel.candidate_tiers(GN, p, SM90, model_on.winner_configs(GN), usable)
+    cands, near = cm.candidate_tiers(GN, p, SM90, model_on.winner_configs(GN), usable)
     ranked = [c for _, c in model_on.select(GN, p, cands, near, SM90)]
-    assert len(ranked) > costmodel.ACCEPT_TRIES + 1
+    assert len(ranked) > cm.ACCEPT_TRIES + 1
     assert model_on.choose(GN, p, SM90, usable)[0] == ranked[0]
     asked = []
 
@@ -638,4 +652,4 @@ def test_choose_takes_the_first_accepted_of_the_best_few(model_on):
     assert asked == ranked[:3]
     asked.clear()
     assert model_on.choose(GN, p, SM90, usable, accept=lambda c: asked.append(c) and False)[0] == ranked[0]
-    assert asked == ranked[:costmodel.ACCEPT_TRIES]
+    assert asked == ranked[:cm.ACCEPT_TRIES]

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from ckgen import costmodel, records
+import ckgen
+from ckgen import model as cm, records
 from ckgen.db import InstanceDB
 from ckgen.ops import get_op
 from ckgen.ops.spec import DTYPES, Config, Target
@@ -74,7 +75,7 @@ def test_chain_steps_match_the_templates_walk_where_shares_are_whole_channels_an
         hv = p.H * p.W // vec
         share = -(-(p.C // p.G * hv) // c["split"])
         for narrow in (True, False):
-            got, walked = costmodel.chain_steps(op, p, c, narrow), walked_steps(op, p, c, narrow)
+            got, walked = cm.chain_steps(op, p, c, narrow), walked_steps(op, p, c, narrow)
             if share % hv == 0:  # every block's share is whole channels: the closed form is exact
                 assert got == walked, (p, c.as_dict(), narrow)
                 exact += 1
@@ -94,27 +95,27 @@ def test_narrow_rows_shorten_the_held_out_problems_chain():
     c = Config.of({"groups_per_block": 1, "items": 8, "min_blocks": 1, "scheme": "fused",
                    "split": 4, "threads": 512, "vec_bytes": 2})
     assert op.validate(p, c, SM90)
-    assert costmodel.chain_steps(op, p, c, True) == 5 == walked_steps(op, p, c, True)
-    assert costmodel.chain_steps(op, p, c, False) == 14 == walked_steps(op, p, c, False)
-    chain = costmodel.TERM_NAMES.index("chain")
-    new = costmodel.geometry(op, p, c, SM90, narrow_rows=True).phi[chain]
-    old = costmodel.geometry(op, p, c, SM90, narrow_rows=False).phi[chain]
+    assert cm.chain_steps(op, p, c, True) == 5 == walked_steps(op, p, c, True)
+    assert cm.chain_steps(op, p, c, False) == 14 == walked_steps(op, p, c, False)
+    chain = cm.TERM_NAMES.index("chain")
+    new = cm.geometry(op, p, c, SM90, narrow_rows=True).phi[chain]
+    old = cm.geometry(op, p, c, SM90, narrow_rows=False).phi[chain]
     assert 0 < new < old
 
 
 def test_chain_term_is_zero_for_pooling_and_held_or_one_step_groupnorm():
-    chain = costmodel.TERM_NAMES.index("chain")
+    chain = cm.TERM_NAMES.index("chain")
     op = get_op("maxpool2d_fwd")
     p = op.problem_from_key("N=8,C=64,H=56,W=56,k=3x3,s=2x2,p=1x1,d=1x1,ceil=0,dtype=bf16,layout=nchw,idx=0")
     c = op.space.default
-    assert costmodel.chain_steps(op, p, c) == 0
-    assert costmodel.geometry(op, p, c, SM90).phi[chain] == 0.0
+    assert cm.chain_steps(op, p, c) == 0
+    assert cm.geometry(op, p, c, SM90).phi[chain] == 0.0
     fwd = get_op("groupnorm_fwd")
     q = fwd.problem_from_key("N=2,C=320,H=32,W=32,G=32,dtype=bf16,layout=nchw,act=none")
     held = next(c for c in fwd.space.enumerate() if c["slice_in"] == "regs" and fwd.validate(q, c, SM90))
-    assert costmodel.chain_steps(fwd, q, held) == 1
+    assert cm.chain_steps(fwd, q, held) == 1
     reload = next(c for c in fwd.space.enumerate() if c["slice_in"] == "reload" and fwd.validate(q, c, SM90))
-    assert costmodel.chain_steps(fwd, q, reload) >= 2  # the sums, then y: two streaming passes
+    assert cm.chain_steps(fwd, q, reload) >= 2  # the sums, then y: two streaming passes
 
 
 def test_retimed_winners_carry_their_retiming_date():
@@ -122,7 +123,7 @@ def test_retimed_winners_carry_their_retiming_date():
     then, with the templates of that day: what the fit's row rule keys on)."""
     from pathlib import Path
 
-    db = InstanceDB.load(Path(costmodel.__file__).parent / "data" / "instances.yaml")
+    db = InstanceDB.load(Path(ckgen.__file__).parent / "data" / "instances.yaml")
     retimed = {(e.op, e.problem): e.provenance_dict()["retimed"] for e in db.entries
                if isinstance(e.provenance_dict().get("retimed"), str)}
     if not retimed:

@@ -1,4 +1,4 @@
-"""The cost model file's validation at load (ckgen/costmodel.py, `CostModel.from_doc`), CPU tier: a
+"""The cost model file's validation at load (ckgen/model/, `CostModel.from_doc`), CPU tier: a
 file the dispatcher cannot use safely is one ModelWarning and the nearest-tuned fallback, never
 an exception in an unseen problem's call nor a prediction that is not a finite time."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 import ckgen
-from ckgen import costmodel
+from ckgen import model as cm
+from ckgen.model import parsed, policy, store
 from ckgen import db as dbmod
 from ckgen import settings
 from ckgen.dispatch import Dispatcher
@@ -22,7 +23,7 @@ GN = get_op("groupnorm_fwd")
 
 
 def _packaged() -> dict:
-    return json.loads(costmodel.packaged_model_path().read_text(encoding="utf-8"))
+    return json.loads(cm.packaged_model_path().read_text(encoding="utf-8"))
 
 
 def _set(path, value):
@@ -43,7 +44,7 @@ BAD = {
     "a winner that is not a mapping": _set(("winners", "groupnorm_fwd", 0), [["threads", 256]]),
     "a negative host time": _set(("host", "call_us"), -4.0),
     "a negative launch host time": _set(("host", "launch_us"), -1e-3),
-    "weights that predict infinite times": _set(("weights",), [1e300] * len(costmodel.TERM_NAMES)),
+    "weights that predict infinite times": _set(("weights",), [1e300] * len(cm.TERM_NAMES)),
     "an intercept that predicts infinite times": _set(("intercepts", "groupnorm_fwd"), 1e6),
     "a residual that predicts infinite times": _set(("residuals", "groupnorm_fwd", "residual", 0), 1e6),
     "a weight written as a string": _set(("weights", 0), "0.3"),
@@ -76,63 +77,63 @@ def test_a_bad_model_file_is_one_warning_and_the_nearest_tuned_fallback(tmp_path
         a, _ = d.choose(GN, GN.parse_problem(N=4, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw"), SM90)
         b, _ = d.choose(GN, GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nchw"), SM90)
     assert a.source == b.source == "nearest" and a.config == b.config == GN.space.default
-    mine = [w for w in caught if issubclass(w.category, costmodel.ModelWarning)]
+    mine = [w for w in caught if issubclass(w.category, cm.ModelWarning)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     assert str(path) in str(mine[0].message)
-    with pytest.raises(costmodel.ModelError):  # rejected at load, not when first used
-        costmodel.CostModel.from_doc(doc)
+    with pytest.raises(cm.ModelError):  # rejected at load, not when first used
+        cm.CostModel.from_doc(doc)
 
 
 def test_the_packaged_model_is_inside_the_bounds():
     """The bounds leave the fitted model far inside (so a refit does not trip over them)."""
     doc = _packaged()
-    m = costmodel.CostModel.from_doc(doc)
-    assert max(abs(w) for w in [*m.weights, *m.intercepts.values()]) < costmodel.MAX_WEIGHT / 5
+    m = cm.CostModel.from_doc(doc)
+    assert max(abs(w) for w in [*m.weights, *m.intercepts.values()]) < cm.MAX_WEIGHT / 5
     worst = max(abs(r) for v in doc["residuals"].values() for r in v["residual"])
-    assert worst < costmodel.MAX_RESIDUAL / 5
-    assert 0 < m.floor_next_us <= m.floor_us < costmodel.MAX_US / 100
+    assert worst < cm.MAX_RESIDUAL / 5
+    assert 0 < m.floor_next_us <= m.floor_us < cm.MAX_US / 100
 
 
 def test_a_prediction_that_is_not_finite_falls_back_with_one_warning(monkeypatch):
     """A model whose predictions overflow for some problem (one built in code: a file's bounds keep
     the packaged terms finite) is, for that problem, as a corrupt file: the dispatcher falls back
     with one warning, and the tuner gets no seeds from it."""
-    good = costmodel.CostModel.from_doc(_packaged())
-    bad = costmodel.CostModel([1e3] * len(costmodel.TERM_NAMES), good.intercepts, good.floor_us, good.need_bytes,
+    good = cm.CostModel.from_doc(_packaged())
+    bad = cm.CostModel([1e3] * len(cm.TERM_NAMES), good.intercepts, good.floor_us, good.need_bytes,
                               good.host, good.winners, good.stats, good.residuals, good.correction, good.floor_next_us)
-    monkeypatch.setattr(costmodel, "load", lambda: bad)
-    monkeypatch.setattr(costmodel, "_warned", set())
+    monkeypatch.setattr(policy, "load", lambda: bad)
+    monkeypatch.setattr(store, "_warned", set())
     p = GN.parse_problem(N=3, C=96, H=40, W=24, G=24, dtype="fp32", layout="nhwc")
     usable = lambda c: bool(GN.validate(p, c, SM90))  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert costmodel.dispatch_pick(GN, p, SM90, [], usable) is None
-        assert costmodel.top_configs(GN, p, SM90, 3, usable) == []
-    mine = [w for w in caught if issubclass(w.category, costmodel.ModelWarning)]
+        assert cm.dispatch_pick(GN, p, SM90, [], usable) is None
+        assert cm.top_configs(GN, p, SM90, 3, usable) == []
+    mine = [w for w in caught if issubclass(w.category, cm.ModelWarning)]
     assert len(mine) == 1 and "not finite" in str(mine[0].message)
 
 
 # ------------------------------------------------------------------ the parse cache (issue 53)
 
 
-def _load_fresh(monkeypatch, path) -> costmodel.CostModel:
-    """costmodel.load() of the model file at `path` in a process that has loaded none."""
+def _load_fresh(monkeypatch, path) -> cm.CostModel:
+    """cm.load() of the model file at `path` in a process that has loaded none."""
     monkeypatch.setenv("CKGEN_MODEL", str(path))
-    monkeypatch.setattr(costmodel, "_loaded", {})
-    return costmodel.load()
+    monkeypatch.setattr(store, "_loaded", {})
+    return cm.load()
 
 
-def _exact(model: costmodel.CostModel) -> str:
+def _exact(model: cm.CostModel) -> str:
     return json.dumps(model.to_doc(), sort_keys=True)
 
 
 def test_a_model_read_back_from_the_parse_cache_is_the_files(tmp_path, monkeypatch):
     path = tmp_path / "model.json"
-    path.write_bytes(costmodel.packaged_model_path().read_bytes())
+    path.write_bytes(cm.packaged_model_path().read_bytes())
     first = _load_fresh(monkeypatch, path)
     assert isinstance(first.residuals, dict)  # parsed from the file, then kept
     again = _load_fresh(monkeypatch, path)
-    assert isinstance(again.residuals, costmodel._PackedTables) and len(again.residuals) == len(first.residuals)
+    assert isinstance(again.residuals, parsed._PackedTables) and len(again.residuals) == len(first.residuals)
     p = GN.parse_problem(N=3, C=96, H=40, W=24, G=24, dtype="fp32", layout="nhwc")
     configs = GN.space.enumerate()[:200]
     assert [str(x) for x in again.predict_many(GN, p, configs, SM90)] == \
@@ -151,7 +152,7 @@ def test_a_spoiled_model_cache_file_is_not_used(tmp_path, monkeypatch, spoil):
     from ckgen import parsecache
 
     path = tmp_path / "model.json"
-    path.write_bytes(costmodel.packaged_model_path().read_bytes())
+    path.write_bytes(cm.packaged_model_path().read_bytes())
     want = _exact(_load_fresh(monkeypatch, path))
     [cached] = parsecache.folder("model").glob("*.json")
     doc = json.loads(cached.read_text())

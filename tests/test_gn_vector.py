@@ -1,6 +1,6 @@
 """The GroupNorm ops' array forms (ckgen/ops/gn_vector.py) equal their scalar forms exactly:
 `shape_check_many` vs `shape_check`, `geometry_columns` vs launches / registers / workspace /
-`chain_steps`, and `costmodel.geometry_many` vs `costmodel.geometry`, on random problems and
+`chain_steps`, and `model.geometry_many` vs `model.geometry`, on random problems and
 configs of every GroupNorm op on sm_90, sm_80 and gfx942 (CPU tier)."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from ckgen import costmodel
+from ckgen import model as cm
+from ckgen.model import features, lattice
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Target
 from ckgen.types import Config
@@ -34,9 +35,9 @@ def _problems(op, rng: random.Random, count: int):
 def _admitted(op, p, target, rng: random.Random, n: int):
     """Up to `n` random points of the space that the class check admits for p (as the walk asks
     the shape check), their codes and the lattice."""
-    lat = costmodel._lattice(op.space)
+    lat = lattice._lattice(op.space)
     codes = np.unique(np.array([rng.randrange(lat.size) for _ in range(4 * n)], dtype=np.int64))
-    codes = costmodel._class_filter(op, p, target, lat)(lat.space_points(codes))[:n]
+    codes = lattice._class_filter(op, p, target, lat)(lat.space_points(codes))[:n]
     return lat, codes, [lat.config(c) for c in codes.tolist()]
 
 
@@ -62,18 +63,18 @@ def test_geometry_columns_equal_the_scalar_forms(name):
                 cols = op.geometry_columns(p, lat.columns(codes), target, narrow)
                 for i, c in enumerate(configs):
                     launches = op.launches(p, c, target)
-                    main = costmodel._main_launch(op, p, c, launches)
+                    main = features._main_launch(op, p, c, launches)
                     want = {"launches": len(launches), "blocks": main.grid[0] * main.grid[1] * main.grid[2],
                             "threads": main.block[0] * main.block[1] * main.block[2],
-                            "regs": costmodel._regs(op, p, c), "ws": op.workspace_bytes(p, c),
-                            "steps": costmodel.chain_steps(op, p, c, narrow)}
+                            "regs": features._regs(op, p, c), "ws": op.workspace_bytes(p, c),
+                            "steps": cm.chain_steps(op, p, c, narrow)}
                     got = {k: int(np.broadcast_to(cols[k], len(configs))[i]) for k in want}
                     assert got == want, (p.key(), target.arch, c.key())
 
 
 @pytest.mark.parametrize("name", GN_OPS)
 def test_geometry_many_equals_geometry(name):
-    """The costmodel's batch (the array path for GroupNorm) against `geometry` config by config,
+    """The cost model's batch (the array path for GroupNorm) against `geometry` config by config,
     valid candidates and configs validate refuses alike, float for float."""
     op = get_op(name)
     rng = random.Random(name + "many")
@@ -82,8 +83,8 @@ def test_geometry_many_equals_geometry(name):
             _, _, configs = _admitted(op, p, target, rng, 200)
             configs = configs + [op.space.default]
             for narrow in (None, False):
-                many = costmodel.geometry_many(op, p, configs, target, narrow_rows=narrow)
-                assert many == [costmodel.geometry(op, p, c, target, narrow_rows=narrow) for c in configs], \
+                many = cm.geometry_many(op, p, configs, target, narrow_rows=narrow)
+                assert many == [cm.geometry(op, p, c, target, narrow_rows=narrow) for c in configs], \
                     (p.key(), target.arch)
 
 
@@ -93,8 +94,8 @@ def test_geometry_many_off_the_lattice_falls_back():
     p = op.parse_problem(N=2, C=64, H=9, W=9, G=4, dtype="fp16", layout="nchw")
     t = TARGETS[0]
     c = Config.of(dict(op.space.default.as_dict(), vec_bytes=8.0))
-    assert costmodel.geometry_many(op, p, [c, op.space.default], t) == \
-        [costmodel.geometry(op, p, c, t), costmodel.geometry(op, p, op.space.default, t)]
+    assert cm.geometry_many(op, p, [c, op.space.default], t) == \
+        [cm.geometry(op, p, c, t), cm.geometry(op, p, op.space.default, t)]
 
 
 @pytest.mark.parametrize("name", GN_OPS)
@@ -103,7 +104,7 @@ def test_walk_with_shape_check_many_equals_the_walk_without(name):
     the candidates and the near tier the per-config `admitted` does."""
     op = get_op(name)
     rng = random.Random(name + "walk")
-    model = costmodel.load()
+    model = cm.load()
     winners = model.winner_configs(op) if model is not None else []
     for p in _problems(op, rng, 6):
         for target in TARGETS:
@@ -114,10 +115,10 @@ def test_walk_with_shape_check_many_equals_the_walk_without(name):
                 def admitted(c, p=p, target=target, max_vec=max_vec):
                     return c["vec_bytes"] <= max_vec and bool(op.shape_check(p, c, target))
 
-                plain = costmodel.candidate_tiers(op, p, target, winners, usable, admitted=admitted)
+                plain = cm.candidate_tiers(op, p, target, winners, usable, admitted=admitted)
                 admitted.many = lambda k, p=p, target=target, max_vec=max_vec: (
                     op.shape_check_many(p, k, target) & (k["vec_bytes"] <= max_vec))
-                assert costmodel.candidate_tiers(op, p, target, winners, usable, admitted=admitted) == plain, \
+                assert cm.candidate_tiers(op, p, target, winners, usable, admitted=admitted) == plain, \
                     (p.key(), target.arch, max_vec)
 
 
@@ -127,7 +128,7 @@ def test_space_holds_many_equals_first_failing(name):
     `space_points` asks) agree with the compiled scalar check on random points of the product."""
     op = get_op(name)
     compiled = op.space._memo["compiled"]
-    lat = costmodel._lattice(op.space)
+    lat = lattice._lattice(op.space)
     rng = random.Random(name + "space")
     codes = np.unique(np.array([rng.randrange(lat.size) for _ in range(30000)], dtype=np.int64))
     cols = lat.columns(codes)

@@ -1,4 +1,4 @@
-"""What an unseen problem's pick costs (ckgen/costmodel.py's candidate walk, the ops' class checks),
+"""What an unseen problem's pick costs (ckgen/model/candidates.py's candidate walk, the ops' class checks),
 CPU tier: the lattice walk returns what the walk over Config objects returns, the vectorised class
 checks agree with the scalar ones, and a pick stays within its CPU budget (this thread's CPU time,
 best of a few: not what the other processes on a loaded machine take from it)."""
@@ -11,7 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from ckgen import costmodel
+from ckgen import model as cm
+from ckgen.model import lattice, parsed, policy
+from ckgen.model.candidates import _walk_configs
 from ckgen.dispatch import Dispatcher
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import OpSpec, Target
@@ -90,7 +92,7 @@ def test_class_check_many_agrees_with_class_check(name):
     op = get_op(name)
     rng = random.Random(name)
     configs = _product_sample(op, 3000, rng)
-    lat = costmodel._lattice(op.space)
+    lat = lattice._lattice(op.space)
     codes = np.array(lat.encode_all(configs), dtype=np.int64)
     for p in (_problems(op, rng, 8) if name in GN_OPS else _pool_problems(op, rng, 30) + _padded_pools(op, rng, 30)):
         for target in (SM90, SM80, GFX):
@@ -145,9 +147,9 @@ def test_lattice_walk_is_the_config_walk(model_on, name):
         usable = lambda c, p=p: bool(op.validate(p, c, SM90)) and c["vec_bytes"] <= 8  # noqa: E731
         for first in (winners, list(reversed(winners[: len(winners) // 3]))):
             start = list(dict.fromkeys([*first, op.space.default]))
-            for limit in (costmodel.MAX_CANDIDATES, 40):
-                got = costmodel.candidate_tiers(op, p, SM90, first, usable, limit)
-                assert got == costmodel._walk_configs(op, start, usable, limit), (p.key(), limit)
+            for limit in (cm.MAX_CANDIDATES, 40):
+                got = cm.candidate_tiers(op, p, SM90, first, usable, limit)
+                assert got == _walk_configs(op, start, usable, limit), (p.key(), limit)
 
 
 def test_winners_off_the_lattice_take_the_config_walk(model_on):
@@ -158,9 +160,9 @@ def test_winners_off_the_lattice_take_the_config_walk(model_on):
     odd = op.space.default.replace(threads=512.0)
     usable = lambda c: bool(op.validate(p, c, SM90))  # noqa: E731
     start = list(dict.fromkeys([odd, *model_on.winner_configs(op), op.space.default]))
-    got = costmodel.candidate_tiers(op, p, SM90, [odd, *model_on.winner_configs(op)], usable)
-    assert got == costmodel._walk_configs(op, start, usable, costmodel.MAX_CANDIDATES)
-    assert costmodel._lattice(op.space).encode_all([odd]) is None
+    got = cm.candidate_tiers(op, p, SM90, [odd, *model_on.winner_configs(op)], usable)
+    assert got == _walk_configs(op, start, usable, cm.MAX_CANDIDATES)
+    assert lattice._lattice(op.space).encode_all([odd]) is None
 
 
 # ------------------------------------------------------------------ the batched geometry
@@ -176,8 +178,8 @@ def test_geometry_many_is_geometry_exactly(name):
         for p in _problems(op, rng, 8):
             configs = [c for c in _product_sample(op, 1500, rng) if op.validate(p, c, target)][:60]
             for narrow in (None, False, True):
-                many = costmodel.geometry_many(op, p, configs, target, narrow_rows=narrow)
-                assert many == [costmodel.geometry(op, p, c, target, narrow_rows=narrow) for c in configs]
+                many = cm.geometry_many(op, p, configs, target, narrow_rows=narrow)
+                assert many == [cm.geometry(op, p, c, target, narrow_rows=narrow) for c in configs]
                 checked += len(configs)
     assert checked > 150
 
@@ -201,11 +203,11 @@ def shipped_db(monkeypatch):
 
 def _fresh(model) -> None:
     """Forget what picks remember in this process (not the space's own check memo)."""
-    costmodel._LATTICES.clear()
-    costmodel._CLASS_STATE.clear()
-    costmodel._PARSED.clear()
-    costmodel._ENTRY_CONFIGS.clear()
-    costmodel._REPLACED.clear()
+    lattice._LATTICES.clear()
+    lattice._CLASS_STATE.clear()
+    policy._PARSED.clear()
+    policy._ENTRY_CONFIGS.clear()
+    policy._REPLACED.clear()
     model._resid_index.clear()
     model._winner_configs.clear()
 
@@ -295,7 +297,8 @@ try:
 except Exception:
     pass
 import jinja2
-from ckgen import costmodel, db, library
+from ckgen import db, library
+from ckgen.model import store
 from ckgen.dispatch import Dispatcher
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
@@ -318,7 +321,7 @@ def counting(owner, name, what, made_when=lambda result: True):
 
 counting(jinja2.Environment, "compile", "templates compiled")
 counting(db, "_parse", "DB files parsed")
-counting(costmodel, "_parsed_get", "model files parsed", lambda result: result is None)
+counting(store, "_parsed_get", "model files parsed", lambda result: result is None)
 problems = json.loads(sys.argv[1])
 gc.collect()  # what the imports left for the cyclic collector: theirs, not the pick's
 took = {}
@@ -385,13 +388,13 @@ def test_packed_residual_table_gives_back_its_lists_and_checks_its_arrays():
     its index and residual arrays beside them, and arrays that `from_doc` would refuse refused."""
     t = {"knobs": ["a", "b"], "problems": [["sm_90", "p0"], ["sm_80", "p1"]], "configs": [[1, "x"], [2.0, None]],
          "problem": [0, 1, 1], "config": [1, 0, 1], "residual": [0.5, -1.0, 0.0]}
-    back, arrays = costmodel._unpacked_table(costmodel._packed_table(t))
+    back, arrays = parsed._unpacked_table(parsed._packed_table(t))
     assert back == t and [type(x) for x in back["residual"]] == [float] * 3
     assert [a.tolist() for a in arrays] == [t["problem"], t["config"], t["residual"]]
     for bad in ({"problem": [0, 2, 1]}, {"config": [1, 0, 5]}, {"residual": [0.5, math.inf, 0.0]},
-                {"residual": [0.5, 2 * costmodel.MAX_RESIDUAL, 0.0]}):
+                {"residual": [0.5, 2 * cm.MAX_RESIDUAL, 0.0]}):
         with pytest.raises(ValueError):
-            costmodel._unpacked_table(costmodel._packed_table({**t, **bad}))
+            parsed._unpacked_table(parsed._packed_table({**t, **bad}))
 
 
 @pytest.mark.parametrize("name", GN_OPS)
@@ -400,11 +403,11 @@ def test_split_validity_is_validate(model_on, name):
     answers as the space's check and validate do, for every variant of the winners' splits."""
     op = get_op(name)
     rng = random.Random(f"split {name}")
-    knob = next(k for k in costmodel.SPLIT_KNOBS if k in op.space.params)
+    knob = next(k for k in cm.SPLIT_KNOBS if k in op.space.params)
     winners = model_on.winner_configs(op)[:60]
     for p in _gn_problems(op, rng, 4):
         for target in (SM90, SM80, GFX):
-            valid = costmodel._split_validity(op, p, target, winners)
+            valid = policy._split_validity(op, p, target, winners)
             assert valid is not None
             for c in winners:
                 for v in op.space.params[knob]:

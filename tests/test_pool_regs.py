@@ -8,7 +8,6 @@ committed study of every recorded NHWC forward instance (tests/data/pool-spill-s
 tools/pool-spill-study.py) joined with the H100 tuning records."""
 from __future__ import annotations
 
-import collections
 import gzip
 import json
 from pathlib import Path
@@ -150,14 +149,14 @@ def test_regs_used_tracks_ptxas_for_occupancy():
     import math
     import statistics
 
-    from ckgen import costmodel
+    from ckgen.model import features
 
     rows = _study()
     used, needed = [], []
     for r in rows:
         op = get_op(r["op"])
         p, c = op.problem_from_key(r["problem"]), Config.of(r["config"])
-        assert costmodel._regs(op, p, c) == max(32, op.regs_used(p, c))
+        assert features._regs(op, p, c) == max(32, op.regs_used(p, c))
         used.append(r["regs"] / op.regs_used(p, c))
         needed.append(r["regs"] / op._regs_needed(p, c))
     used.sort()
@@ -184,7 +183,7 @@ def test_dispatcher_skips_untuned_picks_that_spill(model_on):
     does not."""
     if library.nvrtc_missing():
         pytest.skip(library.nvrtc_missing())
-    from ckgen import costmodel
+    from ckgen import model as cm
     from ckgen.dispatch import Dispatcher
 
     op = get_op("maxpool2d_fwd")
@@ -200,7 +199,7 @@ def test_dispatcher_skips_untuned_picks_that_spill(model_on):
     assert "spill registers" in choice.reason, choice.reason
     assert _spill(op, p, choice.config)[1] == 0, choice
     spilling = []
-    for _, c in model.select(op, p, *costmodel.candidate_tiers(op, p, SM90, model.winner_configs(op), usable), SM90):
+    for _, c in model.select(op, p, *cm.candidate_tiers(op, p, SM90, model.winner_configs(op), usable), SM90):
         if c == choice.config:
             break
         spilling.append(c)

@@ -92,7 +92,8 @@ def test_the_shipped_records_say_their_kernel_version():
 def test_the_cost_model_reads_the_version_not_the_date():
     """The fit counts a record's NCHW backward chain by its kernel version: a record dated today
     that says version 1 ran the wide rows."""
-    from ckgen import costmodel
+    from ckgen import model as cm
+    from ckgen.model.fit import _prepare
 
     op = get_op("groupnorm_bwd")
     p = op.parse_problem(N=1, C=64, H=64, W=64, G=32, dtype="bf16", layout="nchw")
@@ -100,12 +101,12 @@ def test_the_cost_model_reads_the_version_not_the_date():
     recs = []
     for v in (1, 2):
         for c in op.space.enumerate():
-            differs = costmodel.chain_steps(op, p, c, True) != costmodel.chain_steps(op, p, c, False)
+            differs = cm.chain_steps(op, p, c, True) != cm.chain_steps(op, p, c, False)
             if op.validate(p, c, target) and differs:
                 recs.append(records.make_record(op, p, target, "test", c, ok=True, time_us=10.0, kernel_version=v))
                 break
     assert len(recs) == 2 and recs[0]["date"][:4] == recs[1]["date"][:4]
-    _, geos = costmodel._prepare(recs)
+    _, geos = _prepare(recs)
     assert geos[0] != geos[1]
-    assert geos[0] == costmodel.geometry(op, p, Config.of(recs[0]["config"]), target, narrow_rows=False)
-    assert geos[1] == costmodel.geometry(op, p, Config.of(recs[1]["config"]), target, narrow_rows=True)
+    assert geos[0] == cm.geometry(op, p, Config.of(recs[0]["config"]), target, narrow_rows=False)
+    assert geos[1] == cm.geometry(op, p, Config.of(recs[1]["config"]), target, narrow_rows=True)

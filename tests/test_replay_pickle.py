@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 
-from ckgen import costmodel
+from ckgen import model as cm
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
 from ckgen.replay import _Remembered
@@ -14,7 +14,7 @@ SM90 = Target.named("sm_90")
 
 
 def _used_model():
-    model = costmodel.CostModel.from_doc(json.loads(costmodel.packaged_model_path().read_text()))
+    model = cm.CostModel.from_doc(json.loads(cm.packaged_model_path().read_text()))
     op = _Remembered(get_op("groupnorm_fwd"))
     p = op.parse_problem(N=2, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc", activation="none")
     configs = list(model.winner_configs(op))[:8]

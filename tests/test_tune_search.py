@@ -184,9 +184,9 @@ def _shape(**kw):
 def test_seeds_hold_the_winners_of_the_nearest_recorded_problems():
     """Beside the model's picks (none here: the tests run without a model), the winners of the
     nearest recorded problems of this op and arch seed the search, nearest first, distinct."""
-    from ckgen import costmodel
+    from ckgen import model as cm
 
-    assert costmodel.load() is None
+    assert cm.load() is None
     cfgs = sorted(valid(), key=Config.key)
     a, b, c, d, e = cfgs[3], cfgs[40], cfgs[80], cfgs[120], cfgs[160]
     near, nearer, far = _shape(N=2), _shape(N=4), _shape(N=8, layout="nchw")

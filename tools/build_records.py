@@ -22,13 +22,13 @@ def main() -> int:
     import gzip
     import json
 
-    from ckgen import costmodel, records
+    from ckgen import model, records
 
     recs = records.build_shipped(ROOT)
     rec_path = ROOT / "ckgen" / "data" / "records.jsonl.gz"
-    model = costmodel.fit(recs)
+    fitted = model.fit(recs)
     model_path = ROOT / "ckgen" / "data" / "costmodel.json"
-    text = costmodel.dumps(model)
+    text = model.dumps(fitted)
     if args.check:
         same_rec = rec_path.exists() and gzip.decompress(rec_path.read_bytes()).decode() == "".join(
             json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in recs)

@@ -24,7 +24,7 @@ def main() -> int:
     args = ap.parse_args()
     from heldout import load_cases, problem_of
 
-    from ckgen import costmodel
+    from ckgen import model
     from ckgen.db import InstanceDB
     from ckgen.instance import render_instance
     from ckgen.library import spill_free
@@ -42,7 +42,7 @@ def main() -> int:
         def usable(c, op=op, p=p):
             return (c.as_dict().get("vec_bytes", 0) <= 16) and bool(op.validate(p, c, target))
 
-        got = costmodel.dispatch_pick(op, p, target, db.select(op.name), usable, spill_free(op, p, target))
+        got = model.dispatch_pick(op, p, target, db.select(op.name), usable, spill_free(op, p, target))
         name = render_instance(op, p, got[0], target).name if got else "(no model)"
         row = measured.get((op.name, p.key()))
         mark = ""

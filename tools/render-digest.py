@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import random
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ckgen import costmodel, db  # noqa: E402
+from ckgen import db, model as cm  # noqa: E402
 from ckgen.codegen import render  # noqa: E402
 from ckgen.ops import all_ops  # noqa: E402
 from ckgen.types import Config, Target  # noqa: E402
@@ -72,7 +71,7 @@ def _problems(op, records: dict[str, set[str]], entries, gn_problems: int) -> li
 def sweep(targets: list[str], gn_problems: int, gn_configs: int, ops: list[str] | None) -> dict:
     entries = _shipped_entries()
     records = _record_problems()
-    model = costmodel.load()
+    model = cm.load()
     rows: list[dict] = []
     shipped: list[dict] = []
     for e in entries:  # the shipped DB as it is

@@ -1,6 +1,7 @@
 """The GroupNorm ops' checks and launch geometry on arrays of knob values: `shape_check` for the
-candidate walk (`shape_check_many`) and what the cost model's `geometry` asks of an op per config
-(launch count, grid, registers, workspace, `chain_steps`; `geometry_columns`). An unseen
+candidate walk (`shape_check_many`) and what the cost model asks of an op per config
+(launch count, grid, registers, workspace, `chain_steps` and the other `model_*` hooks;
+`geometry_columns`). An unseen
 problem's pick checks thousands of walk nodes and predicts hundreds of candidates; per config in
 Python these were most of its time. Each array form computes the scalar form's integers with the
 same expressions (tests/test_gn_vector.py compares them on random problems and configs). Knob
@@ -90,10 +91,24 @@ def fwd_shape_check_many(p: GroupNormProblem, k: Cols, target: Target) -> np.nda
     return ok & np.where(rows_mode, r_ok, s_ok)
 
 
+def _run_bytes(p: GroupNormProblem, tile: np.ndarray, split: np.ndarray) -> np.ndarray:
+    """`groupnorm.gn_run_bytes` per element."""
+    item = DTYPES[p.dtype]["itemsize"]
+    if p.layout == "nchw":
+        return np.maximum(1, p.C // p.G * p.H * p.W // split) * item
+    return np.where(tile < p.C, tile * item, np.maximum(1, p.H * p.W // split) * p.C * item)
+
+
+def _x_bytes(p: GroupNormProblem) -> int:
+    return p.N * p.C * p.H * p.W * DTYPES[p.dtype]["itemsize"]
+
+
 def fwd_geometry_columns(op: Any, p: GroupNormProblem, k: Cols, target: Target,
                          narrow_rows: bool = True) -> dict[str, np.ndarray]:
-    """What `costmodel.geometry` asks the forward op per config, per element: launches, the main
-    launch's blocks and threads, registers, workspace bytes, chain steps, the unroll."""
+    """What the cost model asks the forward op per config (`OpSpec.geometry_columns`), per
+    element: launches, the main launch's blocks and threads, registers, workspace bytes, chain
+    steps, the unroll, and the `model_*` hooks' values (vector bytes, run, re-read bytes, split,
+    slices per block)."""
     item = DTYPES[p.dtype]["itemsize"]
     threads, items, gpb, merge = k["threads"], k["items"], k["groups_per_block"], k["merge"]
     split = _fwd_split(k)
@@ -116,8 +131,12 @@ def fwd_geometry_columns(op: Any, p: GroupNormProblem, k: Cols, target: Target,
         _, rows, share = nhwc_tile_many(ch, vec, threads, split, p.HW)
         per_step = rows * items
     steps = np.where(k["slice_in"] == "regs", 1, 2 * _cdiv(share, np.maximum(1, per_step)))
+    tile = np.where(rows_mode, p.C, gpb * p.C // p.G)
+    reread = np.where((k["slice_in"] == "reload") | (k["slice_in"] == "rows"), _x_bytes(p), 0)
     return {"launches": np.where(merge == "global", 2, 1), "blocks": blocks, "threads": threads,
-            "regs": regs, "ws": ws, "steps": steps, "unroll": items}
+            "regs": regs, "ws": ws, "steps": steps, "unroll": items, "vec_bytes": k["vec_bytes"],
+            "run": _run_bytes(p, tile, split), "reread": reread, "split": split,
+            "slices": np.where(rows_mode, p.G, gpb) if p.layout == "nhwc" else 1}
 
 
 # ----------------------------------------------------------------------------------- backward
@@ -154,7 +173,7 @@ def bwd_shape_check_many(op: Any, p: GroupNormProblem, k: Cols, target: Target) 
 
 
 def _pow2_at_least(n: np.ndarray) -> np.ndarray:
-    """costmodel._pow2_at_least per element: frexp's exponent of n - 1 > 0 is its bit length."""
+    """`groupnorm_bwd.pow2_at_least` per element: frexp's exponent of n - 1 > 0 is its bit length."""
     return np.left_shift(1, np.frexp(np.maximum(n - 1, 0).astype(np.float64))[1].astype(np.int64))
 
 
@@ -210,5 +229,8 @@ def bwd_geometry_columns(op: Any, p: GroupNormProblem, k: Cols, target: Target,
     if p.layout == "nhwc" and "scheme" in k:  # geometry reads the knob itself (None without one)
         raw = k["scheme"]
         unroll = np.where((raw == "pipelined") | ((raw == "fused") & merged), 2 * items, items)
+    reread = np.where(scheme != "single_pass", 2 * _x_bytes(p), 0) if want_dx else 0
     return {"launches": launches, "blocks": blocks, "threads": threads, "regs": regs, "ws": ws,
-            "steps": steps, "unroll": unroll}
+            "steps": steps, "unroll": unroll, "vec_bytes": k["vec_bytes"],
+            "run": _run_bytes(p, gpb * p.C // p.G, split), "reread": reread, "split": split,
+            "slices": gpb if p.layout == "nhwc" else 1}

@@ -145,6 +145,18 @@ def gn_instance_name(op: OpSpec, p: GroupNormProblem, config: Config, make: Any)
     return name
 
 
+def gn_run_bytes(p: "GroupNormProblem", tile: int, split: int) -> int:
+    """The contiguous run of bytes a GroupNorm block reads (the cost model's `sector` term): a
+    slice's share (NCHW), a tile of `tile` channels per pixel (NHWC), or, when the tile spans
+    every channel, the block's pixels as one run."""
+    item = DTYPES[p.dtype]["itemsize"]
+    if p.layout == "nchw":
+        return max(1, p.C // p.G * p.H * p.W // split) * item
+    if tile < p.C:
+        return tile * item
+    return max(1, p.H * p.W // split) * p.C * item
+
+
 def _regs_per_thread(config: Config) -> int:
     return min(255, 65536 // (config["threads"] * config["min_blocks"]))
 
@@ -378,6 +390,50 @@ class GroupNormFwd(GroupNormOp):
         return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout,
                     activation=p.activation, storage=d["storage"], itemsize=d["itemsize"],
                     vec=self.vec_elems(p, config))
+
+    # ---- the cost model's hooks (`OpSpec.model_*`) ----
+    def regs_used(self, p: GroupNormProblem, config: Config) -> int:
+        return fwd_regs_needed(p, config)
+
+    def model_split(self, p: GroupNormProblem, config: Config) -> int:
+        d = config.as_dict()
+        return d["cluster"] if d["merge"] == "cluster" else d["global_split"]
+
+    def model_run_bytes(self, p: GroupNormProblem, config: Config) -> int:
+        d = config.as_dict()
+        tile = p.C if whole_rows(config) else d["groups_per_block"] * p.C // p.G
+        return gn_run_bytes(p, tile, self.model_split(p, config))
+
+    def model_reread_bytes(self, p: GroupNormProblem, config: Config) -> int:
+        """slice_in=reload and rows read x a second time."""
+        if config["slice_in"] in ("reload", "rows"):
+            return p.N * p.C * p.H * p.W * DTYPES[p.dtype]["itemsize"]
+        return 0
+
+    def model_slices_per_block(self, p: GroupNormProblem, config: Config) -> int:
+        if p.layout != "nhwc":
+            return 1
+        return p.G if whole_rows(config) else config["groups_per_block"]
+
+    def chain_steps(self, p: GroupNormProblem, config: Config, narrow_rows: bool = True) -> int:
+        """A block whose x is held (slice_in=regs) loads it in one step; a streaming pass takes
+        one step per ITEMS vectors a thread has in flight (NCHW: threads x ITEMS vectors of the
+        share per step; NHWC: R pixel rows x ITEMS), and reload / rows stream twice (the sums,
+        then y). Exact where every block's share is whole channels (tests/test_costmodel_chain.py)."""
+        d = config.as_dict()
+        item = DTYPES[p.dtype]["itemsize"]
+        vec = max(1, d["vec_bytes"] // item)
+        threads, items = d["threads"], d["items"]
+        Cg, HW = p.C // p.G, p.H * p.W
+        split = d["cluster"] if d["merge"] == "cluster" else d["global_split"]
+        held = d["slice_in"] == "regs"
+        if p.layout == "nchw":
+            per_step, share = threads * items, -(-(Cg * HW // vec) // split)
+        else:
+            ch = p.C if whole_rows(config) else d["groups_per_block"] * Cg
+            _, rows, share = nhwc_tile(ch, vec, threads, split, HW, "")
+            per_step = rows * items
+        return 1 if held else 2 * -(-share // max(1, per_step))
 
     def main_blocks(self, p: Any, config: Config, target: Target) -> int:
         return self._blocks(p, config)  # the main launch's grid is (_blocks, 1, 1)

@@ -7,8 +7,8 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from .groupnorm import (GroupNormOp, GroupNormProblem, gn_instance_name, gn_problem_class, grid_barrier_fits,
-                        groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile)
+from .groupnorm import (GroupNormOp, GroupNormProblem, gn_instance_name, gn_problem_class, gn_run_bytes,
+                        grid_barrier_fits, groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile)
 from .numeric import from_storage, round_to, to_storage
 from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
@@ -27,6 +27,11 @@ def grid_merged(scheme: str, split: int) -> bool:
     """single_pass/fused with split past a portable cluster: the blocks of a tile merge at a
     grid-wide barrier (`_GroupNormBwd.grid_merge`)."""
     return scheme in ("single_pass", "fused") and split > CLUSTER_MAX
+
+
+def pow2_at_least(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _regs_per_thread(config: Config) -> int:
@@ -69,6 +74,74 @@ class _GroupNormBwd(GroupNormOp):
         merge A/B through the workspace at a grid-wide barrier, every block resident (a
         cooperative launch), and fold dgamma/dbeta in the same kernel after it."""
         return grid_merged(self.scheme(config), config["split"])
+
+    # ---- the cost model's hooks (`OpSpec.model_*`) ----
+    def model_family(self) -> str:
+        """The three backward ops share their winners as candidates."""
+        return "groupnorm_bwd"
+
+    def model_streams(self, p: GroupNormProblem) -> int:
+        return 2  # x and dy
+
+    def model_unroll(self, p: GroupNormProblem, config: Config) -> int:
+        """ITEMS vectors; NHWC pipelined (and fused at a grid barrier, which streams as it does)
+        two steps of them in flight."""
+        d = config.as_dict()
+        unroll = d["items"]
+        if p.layout == "nhwc" and (d.get("scheme") == "pipelined"
+                                   or (d.get("scheme") == "fused" and self.grid_merge(config))):
+            unroll *= 2
+        return unroll
+
+    def regs_used(self, p: GroupNormProblem, config: Config) -> int:
+        return bwd_regs_needed(p, config, self.scheme(config))
+
+    def model_split(self, p: GroupNormProblem, config: Config) -> int:
+        return config["split"]
+
+    def model_run_bytes(self, p: GroupNormProblem, config: Config) -> int:
+        return gn_run_bytes(p, config["groups_per_block"] * p.C // p.G, config["split"])
+
+    def model_reread_bytes(self, p: GroupNormProblem, config: Config) -> int:
+        """dx's schemes but single_pass read x and dy again for dx."""
+        if self.want_dx and self.scheme(config) != "single_pass":
+            return 2 * (p.N * p.C * p.H * p.W * DTYPES[p.dtype]["itemsize"])
+        return 0
+
+    def model_slices_per_block(self, p: GroupNormProblem, config: Config) -> int:
+        return config["groups_per_block"] if p.layout == "nhwc" else 1
+
+    def chain_steps(self, p: GroupNormProblem, config: Config, narrow_rows: bool = True) -> int:
+        """single_pass loads its share in one step; the other schemes stream the sums, then dx
+        (NHWC: R pixel rows x ITEMS per step). The NCHW sums go channel by channel in a 2-D tile
+        of RR rows x CC threads: a round per RR channels, each ceil(channel / (CC x ITEMS)) steps
+        long, where a row is as narrow as sweeps a channel in one step (CC x ITEMS >= H*W/vec)
+        since kernel version 2, and was as wide as the channel (CC >= H*W/vec, up to the block)
+        before (`narrow_rows=False`). Where a share straddles channels each piece is counted as a
+        whole channel's steps, an upper bound within 2x of the walk (tests/test_costmodel_chain.py)."""
+        d = config.as_dict()
+        item = DTYPES[p.dtype]["itemsize"]
+        vec = max(1, d["vec_bytes"] // item)
+        threads, items = d["threads"], d["items"]
+        Cg, HW = p.C // p.G, p.H * p.W
+        split = d["split"]
+        if self.scheme(config) == "single_pass":
+            return 1
+        passes = 2 if self.want_dx else 1  # the sums, then dx
+        if p.layout == "nhwc":
+            _, rows, share = nhwc_tile(d["groups_per_block"] * Cg, vec, threads, split, HW, "")
+            return passes * -(-share // max(1, rows * items))
+        hv = max(1, HW // vec)
+        share = -(-(Cg * hv) // split)
+        dx = -(-share // (threads * items)) if self.want_dx else 0
+        if narrow_rows:
+            cc = threads if hv >= threads * items else pow2_at_least(-(-hv // items))
+        else:
+            cc = threads if hv >= threads else pow2_at_least(hv)
+        cc = min(cc, threads)
+        chans = min(Cg, -(-share // hv) + (1 if share % hv else 0))
+        rounds = -(-chans // (threads // cc))
+        return rounds * -(-min(hv, share) // (cc * items)) + dx
 
     def problem_class(self, p: GroupNormProblem) -> tuple[str, str, int]:
         return gn_problem_class(self, p)

@@ -300,3 +300,78 @@ class OpSpec(abc.ABC):
         """How far apart two problems are for the cost model's measured correction (how much one's
         timings say about the other's): `distance`, unless an op says otherwise."""
         return self.distance(a, b)
+
+    # ---- what the config cost model asks of an op (ckgen/model/features.py) ----
+    # Each has a generic default, so an op that defines none still gets a cost-model pick: one
+    # stream read, no re-reads, no split, no serial chain, registers no limit on occupancy.
+
+    def model_family(self) -> str:
+        """The ops whose recorded winners join this op's candidates (carried into its space):
+        those of the same family. By default the op alone (its name)."""
+        return self.name
+
+    def model_streams(self, problem: Any) -> int:
+        """Input streams a thread reads side by side (bytes in flight per unrolled vector): 1 by default."""
+        return 1
+
+    def model_unroll(self, problem: Any, config: Config) -> int:
+        """Vectors (or positions) a thread has in flight: the `items` knob where the space has
+        one, else the `th` x `tw` tile (1 without them)."""
+        d = config.as_dict()
+        items = d.get("items")
+        return items if items is not None else d.get("th", 1) * d.get("tw", 1)
+
+    def model_vec_bytes(self, problem: Any, config: Config) -> int:
+        """Bytes of one vector access: the `vec_bytes` knob (one element without it)."""
+        vb = config.as_dict().get("vec_bytes")
+        return vb if vb is not None else DTYPES[problem.dtype]["itemsize"]
+
+    def regs_used(self, problem: Any, config: Config) -> int:
+        """Registers per thread the compiler is expected to allocate, for occupancy (the model
+        takes at least 32). By default 32: registers do not limit the blocks per SM."""
+        return 32
+
+    def model_run_bytes(self, problem: Any, config: Config) -> int | None:
+        """The contiguous run of bytes a block reads (a run not a whole number of 32-byte sectors
+        wastes the rest of its sectors: the `sector` term); None: long runs (no term, the default)."""
+        return None
+
+    def model_reread_bytes(self, problem: Any, config: Config) -> float:
+        """Bytes read again beyond `min_bytes` (the `reread` term); 0 by default."""
+        return 0
+
+    def model_split(self, problem: Any, config: Config) -> int:
+        """Blocks that share one slice of the reduction (a cluster or a workspace merge: the
+        `split` term); 1 by default."""
+        return 1
+
+    def model_slices_per_block(self, problem: Any, config: Config) -> int:
+        """Independent slices (GroupNorm's groups) one block works on side by side where the
+        layout interleaves them (the `gpb` term); 1 by default."""
+        return 1
+
+    def model_scatter(self, problem: Any, config: Config) -> bool:
+        """The config writes by scatter: zeroing and atomic adds (the `scatter` term); False by default."""
+        return False
+
+    def chain_steps(self, problem: Any, config: Config, narrow_rows: bool = True) -> int:
+        """The load round trips one block makes one after another (its critical path: the `chain`
+        term); `narrow_rows` selects a kernel-version rule where an op has two. 0 by default (no term)."""
+        return 0
+
+    def geometry_columns(self, problem: Any, knobs: Mapping[str, np.ndarray], target: Target,
+                         narrow_rows: bool = True) -> dict[str, Any] | None:
+        """What the cost model asks per config, for many configs at once (`knobs`: each knob's
+        values as an array), each entry an array or a scalar for all: launches, blocks and threads
+        of the main launch, regs, ws (workspace bytes), steps (`chain_steps`), unroll, vec_bytes;
+        optionally run, reread, split, slices, scatter (the hooks above; absent: their default).
+        Equal to the scalar hooks exactly. None (the default): no such form, the model asks the
+        hooks config by config."""
+        return None
+
+    def overrides(self, method: str) -> bool:
+        """Whether the op's class overrides OpSpec's `method`: where `class_check_many` or
+        `geometry_columns` is overridden the candidate walk checks a whole step of the space's
+        lattice at once and the model predicts on arrays; a `model_*` hook left at its default
+        is not asked per config (its default holds for every config)."""
+        return getattr(type(self), method) is not getattr(OpSpec, method)

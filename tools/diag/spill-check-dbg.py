@@ -1,8 +1,7 @@
 """Why did the device's prev-model held-out run take a spilling pick? Print the ranking and the check."""
 import os
 import ckgen
-from ckgen import costmodel, library
-from ckgen.db import InstanceDB
+from ckgen import library, model as cm
 from ckgen.dispatch import dispatcher
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
@@ -11,15 +10,15 @@ print("nvrtc_missing:", library.nvrtc_missing())
 t = Target.named("sm_90")
 op = get_op("maxpool2d_fwd")
 p = op.parse_problem(N=32, C=512, H=13, W=13, kernel=3, stride=1, padding=1, dtype="bf16", layout="nhwc", return_indices=True)
-m = costmodel.load()
+m = cm.load()
 print("model", m.summary() if m else None)
 db = dispatcher().database()
 print("db entries for op", len(list(db.select(op.name))), "paths", getattr(db, "path", None))
 usable = lambda c: bool(op.validate(p, c, t))
-cands, near = costmodel.candidate_tiers(op, p, t, m.winner_configs(op), usable)
+cands, near = cm.candidate_tiers(op, p, t, m.winner_configs(op), usable)
 for pred, c in m.select(op, p, cands, near, t)[:10]:
     print(op.instance_name(p, c), round(pred.total_us, 2), "spill", library.spill_bytes(op, p, c, t))
 acc = library.spill_free(op, p, t)
-print("dispatch_pick", costmodel.dispatch_pick(op, p, t, db.select(op.name), usable, acc), "rejected", acc and acc.rejected)
+print("dispatch_pick", cm.dispatch_pick(op, p, t, db.select(op.name), usable, acc), "rejected", acc and acc.rejected)
 print(ckgen.explain("maxpool2d_fwd", arch="sm_90", N=32, C=512, H=13, W=13, kernel=(3, 3), stride=(1, 1), padding=(1, 1),
                     dilation=(1, 1), ceil_mode=False, dtype="bf16", layout="nhwc", return_indices=True))

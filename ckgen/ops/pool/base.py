@@ -181,6 +181,10 @@ class _PoolOp(VectorChecks, OpSpec):
         planes, nrow, ncol, cvec = self._tiles(p, config)
         return planes * nrow * ncol * cvec
 
+    def model_family(self) -> str:
+        """Max and average pooling of one direction share their winners as candidates."""
+        return "pool2d_bwd" if self.backward else "pool2d_fwd"
+
     def main_blocks(self, p: Any, config: Config, target: Target) -> int:
         return self._blocks(p, config)  # the main launch's grid is (_blocks, 1, 1)
 

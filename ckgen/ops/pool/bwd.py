@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
-from ...types import Config, Launch, Support, Target
+from ...types import DTYPES, Config, Launch, Support, Target
 from ..numeric import from_storage
 from .base import _STORAGE_BITS, _cdiv, _cover_span, _PoolOp
 from .problem import PoolProblem
@@ -47,6 +47,42 @@ class _PoolBwd(_PoolOp):
                          ((na - 1) * p.stride[0] + ek[0]) * ((nb - 1) * p.stride[1] + ek[1]), 0)
         aligned = na * nb * v * (2 if self.pool == "max" else 1) + 2 * tw * v + 32 + xfoot
         return np.where(self._aligned_many(p, k), aligned, th * tw * v + 4 * v + 32)
+
+    # ---- the cost model's hooks (`OpSpec.model_*`) ----
+    def model_vec_bytes(self, p: PoolProblem, config: Config) -> int:
+        """NHWC: vec_bytes of channels. NCHW: rows of x as vectors only where the covering
+        outputs' x footprint is read (`x_footprint`), else one element at a time."""
+        if p.layout != "nchw":
+            return config["vec_bytes"]
+        return DTYPES[p.dtype]["itemsize"] * (self.row_vec_elems(p, config) if self.x_footprint(p, config) else 1)
+
+    def model_scatter(self, p: PoolProblem, config: Config) -> bool:
+        return config.as_dict().get("algo") == "scatter"
+
+    def model_reread_bytes(self, p: PoolProblem, config: Config) -> float:
+        """Max backward recomputing the argmax (gather): a thread's th x tw inputs are covered by
+        up to na x nb outputs, each of whose argmax is recomputed from x (`recompute_reads`). The
+        overlap is read again (L1/L2) and recomputed: a th=1 tile reads ~2-3x the x a th>=2 tile
+        does (the ResNet-stem sweeps: 2x slower)."""
+        if getattr(p, "indices", "") != "recompute" or config.as_dict().get("algo") != "gather":
+            return 0
+        th, tw = self.tile(config)
+        x_bytes = p.N * p.C * p.H * p.W * DTYPES[p.dtype]["itemsize"]
+        return x_bytes * max(0.0, self.recompute_reads(p, config) / (th * tw) - 1.0)
+
+    def recompute_reads(self, p: PoolProblem, config: Config) -> int:
+        """x elements a thread reads to recompute the argmax of the outputs covering its th x tw
+        tile: the x footprint under their windows (NCHW aligned tiles, XR x XC), else each
+        covering output's window (aligned), else the windows of the tile's cover span."""
+        if self.x_footprint(p, config):
+            xr, xc = self._x_footprint_dims(p, config)
+            return xr * xc
+        if self.aligned_gather(p, config):
+            na, nb = self.cover_counts(p, config)
+            return na * nb * p.kernel[0] * p.kernel[1]
+        th, tw = self.tile(config)
+        (ekh, ekw), (sh, sw) = p.eff_kernel, p.stride
+        return -(-(th + ekh - 1) // sh) * -(-(tw + ekw - 1) // sw) * p.kernel[0] * p.kernel[1]
 
     def launches(self, p: PoolProblem, config: Config, target: Target) -> tuple[Launch, ...]:
         main = super().launches(p, config, target)

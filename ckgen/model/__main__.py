@@ -1,0 +1,4 @@
+"""`python -m ckgen.model fit`: see ckgen/model/command.py."""
+from .command import main
+
+raise SystemExit(main())

@@ -207,7 +207,7 @@ def test_total_timeout_ends_the_run_for_every_worker(tmp_path):
 
 def test_one_worker_searches_as_one_process_and_builds_one_evaluator_per_problem(tmp_path):
     """`--workers 1` is `ckgen tune` in a process of its own: per problem, the same configs in the
-    same order as `tune.search` with the same budget (its seeds sized by the run's --trials, not by
+    same order as a `tune.Tuner`'s search with the same budget (its seeds sized by the run's --trials, not by
     an unbounded count: over each problem's whole valid space, not a subset, so the op's seeds
     count), and one evaluator (on a GPU: one harness, the inputs and the float64 reference) for the
     search and the final round."""

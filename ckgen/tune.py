@@ -513,7 +513,7 @@ NEIGHBOURS = 4
 def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
                 allowed: Callable[[Config], bool] | None = None, model: Any = None,
                 records: list[dict[str, Any]] | None = None, neighbours: int = NEIGHBOURS) -> tuple[Config, ...]:
-    """The first seeds of a search of `trials` (`search`'s `model_seeds`) that `allowed` accepts
+    """The first seeds of a search of `trials` (`TuneRequest.picks`) that `allowed` accepts
     (default: every valid config): the cost model's best candidates, then the distinct winners of
     the `neighbours` nearest recorded problems (`costmodel.nearest_recorded_winners`; as many as
     fit in `n_seeds(trials)`), which do not hang on the model (when it is wrong about a problem,
@@ -535,7 +535,7 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
     carried = costmodel.carried_winners(op, problem, target, costmodel.recorded_winners(records, op, target.arch))
     picks = costmodel.top_configs(op, problem, target, max(1, n_seeds(trials) // 2), ok, model=model,
                                   extra_winners=carried)
-    neighbours = min(neighbours, n_seeds(trials) - len(picks))  # `search` seeds no more
+    neighbours = min(neighbours, n_seeds(trials) - len(picks))  # `Tuner.search` seeds no more
     if neighbours > 0:
         fresh = lambda c: c not in picks and bool(ok(c))  # noqa: E731
         near = costmodel.nearest_recorded_winners(records, op, problem, target.arch, fresh, neighbours)

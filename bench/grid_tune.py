@@ -87,7 +87,7 @@ def main() -> int:
     from ckgen import db as dbmod
     from ckgen import settings
     from ckgen.target import device_info
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     arch = info.target.arch
@@ -107,7 +107,7 @@ def main() -> int:
             print("budget spent", flush=True)
             break
         try:
-            r = tune_problem(op, p, info, trials=args.trials, timeout=left)
+            r = tune_problem(TuneRequest.on(op, p, info, trials=args.trials, timeout=left), info)
         except RuntimeError as e:
             print(f"{p.key()}: {e}", flush=True)
             continue

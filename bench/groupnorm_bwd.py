@@ -40,7 +40,7 @@ def main() -> int:
     from ckgen.bench import Timer, host_cells
     from ckgen.ops import get_op
     from ckgen.target import device_info
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     op = get_op("groupnorm_bwd")
@@ -58,7 +58,7 @@ def main() -> int:
                                   layout=case["layout"], activation=act, arch=info.target.arch)
         tuned_here = None
         if explained.source != "tuned" and args.tune_trials > 0:
-            r = tune_problem(op, p, info, trials=args.tune_trials, storage=None, seed=0)  # in-memory study
+            r = tune_problem(TuneRequest.on(op, p, info, trials=args.tune_trials, storage=None, seed=0), info)  # in-memory study
             dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
             ckgen.reload_db()
             tuned_here = r

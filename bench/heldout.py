@@ -149,7 +149,7 @@ def _tune_own_best(cases, args, info, log) -> dict[tuple[str, str], Any]:
     """Tune every case not yet in --tuned-db, or whose entry there is stale (its template changed since),
     within --tune-budget seconds; {(op, key): entry}."""
     from ckgen import db as dbmod
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tune import TuneRequest, db_entry, tune_problem
 
     path = Path(args.tuned_db)
     t0 = time.monotonic()
@@ -163,7 +163,7 @@ def _tune_own_best(cases, args, info, log) -> dict[tuple[str, str], Any]:
             log(f"tune budget ({args.tune_budget:.0f} s) spent: {op.name} {p.key()} not tuned")
             continue
         try:
-            r = tune_problem(op, p, info, trials=args.tune_trials, storage=None)
+            r = tune_problem(TuneRequest.on(op, p, info, trials=args.tune_trials, storage=None), info)
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             log(f"tuning {op.name} {p.key()} failed: {e.__class__.__name__}: {e}")
             continue

@@ -625,7 +625,7 @@ def tune_rows(rows: list[Row], trials: int, device, dtype_name: str) -> None:
     from ckgen import settings
     from ckgen.ops import get_op
     from ckgen.target import device_info
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(device.index or 0)
     for row in rows:
@@ -639,7 +639,7 @@ def tune_rows(rows: list[Row], trials: int, device, dtype_name: str) -> None:
                 continue
             op = get_op(name)
             print(f"tuning {name} {op.parse_problem(**kw).key()} ({trials} trials)", flush=True)
-            r = tune_problem(op, op.parse_problem(**kw), info, trials=trials, storage=None, seed=0)
+            r = tune_problem(TuneRequest.on(op, op.parse_problem(**kw), info, trials=trials, storage=None, seed=0), info)
             dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
             ckgen.reload_db()
 

@@ -42,7 +42,7 @@ def main() -> int:
     from ckgen.bench import Timer, host_cells
     from ckgen.ops import get_op
     from ckgen.target import device_info
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     timer = Timer(info.l2_bytes, warmup=5, runs=30)
@@ -61,7 +61,7 @@ def main() -> int:
         if explained.source != "tuned" and trials > 0:
             n_proxy = max(1, min(N, PROXY_ELEMS // (C * H * W)))
             proxy = op.parse_problem(N=n_proxy, **pkw)
-            r = tune_problem(op, proxy, info, trials=trials, storage=None, seed=0)  # in-memory study
+            r = tune_problem(TuneRequest.on(op, proxy, info, trials=trials, storage=None, seed=0), info)  # in-memory study
             dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
             ckgen.reload_db()
         fmt = torch.channels_last if case["layout"] == "nhwc" else torch.contiguous_format

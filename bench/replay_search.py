@@ -1,4 +1,4 @@
-"""Compare the tuner's samplers on recorded exhaustive sweeps, no GPU needed: `tune.search` runs
+"""Compare the tuner's samplers on recorded exhaustive sweeps, no GPU needed: a `tune.Tuner`'s search runs
 against the recorded times of every committed sweep (ckgen/replay.py), many seeds per cell, and
 the table tells how close the best config found comes to the exhaustive best.
 

@@ -57,7 +57,7 @@ def main() -> int:
     from ckgen.bench import Timer
     from ckgen.ops import get_op
     from ckgen.target import device_info
-    from ckgen.tune import TrialFailed, _Objective
+    from ckgen.tune import Objective, TrialFailed
     from ckgen.verify import Harness
 
     info = device_info(None)
@@ -79,7 +79,7 @@ def main() -> int:
         valid = [c for c in op.space.enumerate() if op.validate(p, c, info.target)]
     t0 = time.monotonic()
     timer = Timer(info.l2_bytes)  # as the tuner times (3 warm-ups, 25 runs, L2 flushed)
-    obj = _Objective(op, p, info.target, Harness(op, p), timer)
+    obj = Objective(op, p, info.target, Harness(op, p), timer)
     exhaustive = not (a.where or a.config or a.limit)
     path = Path(a.out) / sweep_name(op, p) if a.out else None
     rows: list = []

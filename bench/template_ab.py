@@ -26,7 +26,7 @@ def run(a) -> int:
     from ckgen.instance import render_instance
     from ckgen.ops import get_op
     from ckgen.target import device_info
-    from ckgen.tune import TrialFailed, _Objective
+    from ckgen.tune import Objective, TrialFailed
     from ckgen.types import Config
     from ckgen.verify import Harness
 
@@ -54,7 +54,7 @@ def run(a) -> int:
         op = get_op(opname)
         p = op.problem_from_key(key)
         c = Config.of(cfg)
-        obj = _Objective(op, p, info.target, Harness(op, p), timer)  # compiled above: measure loads from the cache
+        obj = Objective(op, p, info.target, Harness(op, p), timer)  # compiled above: measure loads from the cache
         row = {"db": src, "op": opname, "problem": key, "config": cfg, "copy_us": timer.copy_time(op.min_bytes(p)).median_us}
         try:
             m = obj.measure(c)

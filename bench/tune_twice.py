@@ -1,6 +1,6 @@
 """Run-to-run check of the tuner: tune the same problems twice, each run a fresh study (its own
 optuna storage, no DB to warm-start from), then re-time both winners in one run, interleaved
-(`_Objective.retime`: every round times each once, the median over rounds); the two must be
+(`tune.Objective.retime`: every round times each once, the median over rounds); the two must be
 within 3% of each other. GPU only.
 
     python bench/tune_twice.py OUT_DIR [--trials 40] [--rounds 15]
@@ -52,13 +52,13 @@ def main() -> int:
         for run in (1, 2):
             with tempfile.TemporaryDirectory() as d:
                 t0 = time.monotonic()
-                r = tune.tune_problem(op, p, info, trials=args.trials, storage=f"sqlite:///{d}/studies.sqlite3",
-                                      seed=run)
+                r = tune.tune_problem(tune.TuneRequest.on(op, p, info, trials=args.trials, seed=run,
+                                                            storage=f"sqlite:///{d}/studies.sqlite3"), info)
                 tune_s.append(time.monotonic() - t0)
             winners.append(r.best)
             print(f"{op_name} {key} run {run}: {r.best.instance} {r.best.timing.median_us:.2f} us "
                   f"({tune_s[-1]:.0f} s)", flush=True)
-        obj = tune._Objective(op, p, info.target, Harness(op, p, seed=None), Timer(info.l2_bytes))
+        obj = tune.Objective(op, p, info.target, Harness(op, p, seed=None), Timer(info.l2_bytes))
         configs = list(dict.fromkeys(w.config for w in winners))
         final, failed = obj.retime(configs, args.rounds)
         if failed:

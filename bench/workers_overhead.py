@@ -119,7 +119,7 @@ class StandinBackend(wk.GpuBackend):
         return self
 
     def evaluator(self, op: Any, problem: Any) -> Any:
-        return tune._Objective(op, problem, self.info.target, StandinHarness(op, problem),
+        return tune.Objective(op, problem, self.info.target, StandinHarness(op, problem),
                                StandinTimer(gpu_s=self.gpu_s))
 
     def copy(self, op: Any, problem: Any) -> Timing:
@@ -150,7 +150,7 @@ def one_process(op: Any, problems: list[Any], trials: int) -> float:
     info, storage = standin_info(), settings.study_storage_url()
     t0 = time.monotonic()
     for p in problems:
-        r = tune.tune_problem(op, p, info, trials=trials, storage=storage, seed=0)
+        r = tune.tune_problem(tune.TuneRequest.on(op, p, info, trials=trials, storage=storage, seed=0), info)
         dbmod.save_entries(os.environ["CKGEN_DB"], [tune.db_entry(r, info)])
     from ckgen.compile import close_pool
 
@@ -198,7 +198,7 @@ def in_process_worker(op: Any, problems: list[Any], trials: int, gpu_s: float) -
 
 PROFILE_ROWS = {  # what the summary adds up: (file the function is in, its name), cumulative time and calls
     "harnesses (inputs, float64 reference)": ("workers_overhead.py", "harness_host_work"),
-    "valid spaces (tune._valid_space)": ("tune.py", "_valid_space"),
+    "valid spaces (tune.valid_space)": ("tune.py", "valid_space"),
     "config validations (op.validate)": ("/ops/", "validate"),
     "sampler proposals (GP fit and pick)": ("sampler.py", "sample_relative"),
     "proposals under the propose lock": ("tune.py", "propose"),

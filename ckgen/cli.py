@@ -17,7 +17,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 
@@ -317,11 +317,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
-    from . import db as dbmod
     from . import settings
     from .target import device_info
     from .storage_url import shown as shown_url
-    from .tune import StudyStorageError, db_entry, tune_problem
+    from .tune import TuneRequest
 
     if args.skip_tuned:
         problems = _untuned(op, args, problems, device_info(None).target.arch)
@@ -354,24 +353,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
             def progress(done: int, total: int, best: float, task: Any = task) -> None:
                 bar.update(task, completed=done, best=f"{best:.1f} us" if best < float("inf") else "-")
 
-            t0 = time.monotonic()
-            try:
-                r = tune_problem(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
-                                 seed=args.seed, sampler=args.sampler, on_trial=progress)
-            except StudyStorageError as e:  # the same for every problem: stop here
-                raise _storage_error(e, storage) from None
-            except RuntimeError as e:
-                err.print(f"{p.key()}: {e}", markup=False)
-                bar.done(f"{step}: failed ({time.monotonic() - t0:.0f} s)")
+            request = TuneRequest.on(op, p, info, trials=args.trials, timeout=timeout, storage=storage,
+                                     seed=args.seed, sampler=args.sampler)
+            r = _tune_and_save(request, info, db_path, bar, step, progress)
+            if r is None:
                 continue
-            try:
-                dbmod.save_entries(db_path, [db_entry(r, info)])
-            except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
-                err.print(f"{p.key()}: {e}", markup=False)
-                bar.done(f"{step}: not saved ({time.monotonic() - t0:.0f} s)")
-                continue
-            bar.done(f"{step}: {r.best.instance} {r.best.timing.median_us:.1f} us "
-                     f"({plural(r.trials, 'trial')}, {time.monotonic() - t0:.0f} s)")
             results.append(r)
             sheet.add(p.key(), r.best.instance, r.best.timing.median_us, r.best.timing.spread, r.gbps,
                       r.efficiency, r.speedup_vs_default, len(r.failures))
@@ -381,6 +367,37 @@ def cmd_tune(args: argparse.Namespace) -> int:
             info_out.print(f"[yellow]failed[/] {r.problem.key()} {cfg}: {why}", highlight=False)
     info_out.print(f"wrote {plural(len(results), 'entry', 'entries')} to {db_path}", markup=False)
     return 0 if len(results) == len(problems) else 1
+
+
+def _tune_and_save(request: Any, info: Any, db_path: Path, bar: Any, step: str,
+                   progress: Callable[[int, int, float], None]) -> Any:
+    """One problem of `ckgen tune` and `ckgen retune`: `tune.tune_problem`, then its DB entry
+    saved (`tune.save_result`); the step's line on `bar`. The result, or None when it failed or
+    was not saved (said on stderr). A study storage failure stops the command (UsageError)."""
+    import time
+
+    from . import db as dbmod
+    from .tune import StudyStorageError, save_result, tune_problem
+
+    key = request.problem.key()
+    t0 = time.monotonic()
+    try:
+        r = tune_problem(request, info, on_trial=progress)
+    except StudyStorageError as e:  # the same for every problem: stop here
+        raise _storage_error(e, request.storage) from None
+    except RuntimeError as e:
+        err.print(f"{key}: {e}", markup=False)
+        bar.done(f"{step}: failed ({time.monotonic() - t0:.0f} s)")
+        return None
+    try:
+        save_result(r, info, db_path)
+    except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
+        err.print(f"{key}: {e}", markup=False)
+        bar.done(f"{step}: not saved ({time.monotonic() - t0:.0f} s)")
+        return None
+    bar.done(f"{step}: {r.best.instance} {r.best.timing.median_us:.1f} us "
+             f"({plural(r.trials, 'trial')}, {time.monotonic() - t0:.0f} s)")
+    return r
 
 
 def _untuned(op: Any, args: argparse.Namespace, problems: list[Any], arch: str) -> list[Any]:
@@ -1014,11 +1031,10 @@ def cmd_retune(args: argparse.Namespace) -> int:
         raise _no_gpu(why)
     import time
 
-    from . import db as dbmod
     from . import settings
     from .ops import get_op
     from .target import device_info
-    from .tune import StudyStorageError, db_entry, retune_plan, tune_problem
+    from .tune import TuneRequest, retune_plan
 
     fmt = resolve(args.format, console)
     info_out = _info(fmt)
@@ -1051,26 +1067,13 @@ def cmd_retune(args: argparse.Namespace) -> int:
             def progress(n: int, total: int, best: float, task: Any = task) -> None:
                 bar.update(task, completed=n, best=f"{best:.1f} us" if best < float("inf") else "-")
 
-            t0 = time.monotonic()
-            try:
-                r = tune_problem(op, problem, info, trials=args.trials, timeout=args.timeout,
-                                 storage=args.storage or settings.study_storage_url(), seed=args.seed,
-                                 sampler=args.sampler, warm=(item.config,) if ok else (), on_trial=progress)
-            except StudyStorageError as e:
-                raise _storage_error(e, args.storage or settings.study_storage_url()) from None
-            except RuntimeError as e:
-                err.print(f"{item.problem}: {e}", markup=False)
-                bar.done(f"{step}: failed ({time.monotonic() - t0:.0f} s)")
-                continue
-            try:
-                dbmod.save_entries(db_path, [db_entry(r, info)])
-            except dbmod.DBError as e:  # a corrupt DB: the entry is kept in a side file (e.kept)
-                err.print(f"{item.problem}: {e}", markup=False)
-                bar.done(f"{step}: not saved ({time.monotonic() - t0:.0f} s)")
+            request = TuneRequest.on(op, problem, info, trials=args.trials, timeout=args.timeout,
+                                     storage=args.storage or settings.study_storage_url(), seed=args.seed,
+                                     sampler=args.sampler, warm=(item.config,) if ok else ())
+            r = _tune_and_save(request, info, db_path, bar, step, progress)
+            if r is None:
                 continue
             done += 1
-            bar.done(f"{step}: {r.best.instance} {r.best.timing.median_us:.1f} us "
-                     f"({plural(r.trials, 'trial')}, {time.monotonic() - t0:.0f} s)")
             old = r.warm[0].timing.median_us if r.warm else None
             sheet.add(item.op, item.problem, item.from_arch,
                       old if old else (f"invalid here ({ok.reason})" if not ok else "failed"),

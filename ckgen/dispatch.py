@@ -81,11 +81,9 @@ class Dispatcher:
     def drop_untuned(self) -> None:
         """Forget the choices and launch plans of untuned problems that online tuning has not
         tried (a `ckgen.tuning()` block opened: their next call builds its plan again, and tunes)."""
-        from . import online
-
         with self._lock:
             keys, self._untuned = self._untuned, set()
-        keys = {k for k in keys if not online.attempted(*k)}
+        keys = {k for k in keys if not _hook.attempted(*k)}
         if not keys:
             return
         for k in self._choices.copy():
@@ -100,19 +98,17 @@ class Dispatcher:
     # ---- selection ----
     def choose(self, op: OpSpec, problem: Problem, target: Target, max_vec_bytes: int = 16,
                site: Any = None) -> tuple[Choice, KernelSource]:
-        """The choice for `problem` (cached). `site` (an `online.Site`: given by plan building
-        only) lets an untuned choice be tuned first when online tuning is on (ckgen/online.py)."""
+        """The choice for `problem` (cached). `site` (a `Site`: given by plan building only) lets
+        an untuned choice be tuned first by the untuned hook (`set_untuned_hook`: online tuning)."""
         key = (op.name, problem.key(), target.arch, max_vec_bytes)
         hit = self._choices.get(key)
         new = hit is None
         if new:
             hit = self._select(op, problem, target, max_vec_bytes)
         if site is not None and hit[0].source != "tuned":
-            from . import online
-
-            if online.maybe_tune(op, problem, target, site):  # a winner is in the DB now (reloaded)
+            if _hook.on_untuned(op, problem, target, site):  # a winner is in the DB now (reloaded)
                 hit, new = self._select(op, problem, target, max_vec_bytes), True
-            if hit[0].source != "tuned" and not online.attempted(*key[:3]):
+            if hit[0].source != "tuned" and not _hook.attempted(*key[:3]):
                 with self._lock:
                     self._untuned.add(key[:3])
         if new:
@@ -227,6 +223,46 @@ def dispatcher() -> Dispatcher:
 
 
 # ---------------------------------------------------------------------------------------------
+# The untuned hook: what a plan's untuned choice may do first (online tuning, ckgen/online.py,
+# registers itself when imported). The runtime never imports the tuner.
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Site:
+    """Where a plan is being built: its device (current while the plan is built) and whether the
+    caller's current stream is capturing a CUDA graph."""
+
+    device: int
+    capturing: Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class UntunedHook:
+    #: on_untuned(op, problem, target, site) -> True when the DB now has a winner (select again)
+    on_untuned: Callable[[OpSpec, Problem, Target, Site], bool]
+    #: attempted(op name, problem key, arch) -> True when the hook will not try that problem again
+    attempted: Callable[[str, str, str], bool]
+
+
+_NO_HOOK = UntunedHook(lambda op, problem, target, site: False, lambda op, problem, arch: False)
+_hook = _NO_HOOK
+
+
+def set_untuned_hook(on_untuned: Callable[[OpSpec, Problem, Target, Site], bool] | None,
+                     attempted: Callable[[str, str, str], bool] | None = None) -> None:
+    """Register what `Dispatcher.choose` calls while it builds a plan whose choice is not a tuned
+    DB entry (`on_untuned`; True: the DB has a winner now, select again), and what says whether a
+    problem was tried already (`attempted`: `drop_untuned` keeps those plans). None: no hook."""
+    global _hook
+    _hook = _NO_HOOK if on_untuned is None else \
+        UntunedHook(on_untuned, attempted or (lambda op, problem, arch: False))
+
+
+def untuned_hook() -> UntunedHook:
+    """The hook in effect (`set_untuned_hook`)."""
+    return _hook
+
+
+# ---------------------------------------------------------------------------------------------
 # Launch plans
 # ---------------------------------------------------------------------------------------------
 _LAUNCH_LOCK = threading.Lock()  # one argument buffer per plan: fill and launch under the lock
@@ -262,7 +298,6 @@ class Plan:
     def __init__(self, op: OpSpec, problem: Problem, like: Any, inputs: Sequence[str], outputs: Sequence[Output],
                  vector_ptrs: Sequence[int]) -> None:
         from .compile import load_kernel
-        from .online import Site
         from .target import device_info
         from .tensors import alignment, current_stream_fn
 

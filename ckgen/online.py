@@ -18,10 +18,13 @@ being asked.
   no entry); its `on_change` hook makes the dispatcher drop its choices and plans, and the call
   selects again: the new entry, `[tuned]`.
 - **CUDA graphs:** never while the caller's current stream is capturing (said once).
-- **The tuner** is `tune_on_device`: the search of `ckgen tune` (`tune.search`, seeded with the
-  default and the cost model's picks, then `tune.final_round`), but compiling ahead in threads of
-  this process (NVRTC releases the GIL), not in spawned worker processes, which would re-import
-  the user's script. `tuner` can be replaced (tests inject a replayed one, see `tune_with`).
+- **The hook:** the dispatcher never imports this module. Importing it (`ckgen` does) registers
+  `maybe_tune` and `attempted` with the dispatcher (`dispatch.set_untuned_hook`).
+- **The tuner** is `tune_on_device`: the `tune.Tuner` of `ckgen tune` (seeded with the incumbent,
+  the default and the cost model's picks; then the final round) with a GPU `tune.Objective` that
+  compiles ahead in threads of this process (NVRTC releases the GIL), not in spawned worker
+  processes, which would re-import the user's script. `tuner` can be replaced (tests inject a
+  replayed one, see `tune_with`).
 - **Progress:** one line per problem on the `ckgen` logger (`CKGEN_QUIET=1` silences it).
 
 Blocks: `tuning()` is process-wide while open (the autograd engine runs backward ops on its own
@@ -35,8 +38,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import contextvars
+import dataclasses
 import datetime as _dt
-import functools
 import logging
 import math
 import numbers
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from . import settings
+from .dispatch import Site, set_untuned_hook  # noqa: F401 - Site: re-exported
 
 log = logging.getLogger("ckgen")
 
@@ -60,15 +64,6 @@ class OnlineTuningWarning(UserWarning):
 class Budget:
     trials: int  # configs measured per problem
     max_seconds: float | None  # wall-time cap per problem (None: none)
-
-
-@dataclass(frozen=True)
-class Site:
-    """Where a plan is being built: its device (current while the plan is built) and whether the
-    caller's current stream is capturing a CUDA graph."""
-
-    device: int
-    capturing: Callable[[], bool]
 
 
 class _Block:
@@ -312,52 +307,42 @@ def _tune(op: Any, problem: Any, target: Any, site: Site, want: Budget, key: tup
 # ------------------------------------------------------------------------------- the tuner
 
 
-def tune_with(op: Any, problem: Any, target: Any, ev: Any, *, trials: int, max_seconds: float | None,
-              num_sms: int = 132, device: str = "", storage: Any = None, record: Callable[..., None] | None = None,
-              seed: int = 0, started: float | None = None, provenance: dict[str, Any] | None = None,
-              incumbent: Any = None) -> Any:
-    """Tune `problem` with evaluator `ev` (`tune.search`'s contract: a GPU objective, or a
-    `replay.ReplayEvaluator`) and return the winner's DB entry: `tune.search` (`incumbent`, the
-    config the call ran untuned, if given; the default config, then the cost model's picks) for
-    `trials` configs within `max_seconds` of `started` (default: now), then `tune.final_round`
-    (the study's best, the default and the incumbent, re-timed)."""
+def tune_with(request: Any, ev: Any, *, record: Callable[..., None] | None = None, started: float | None = None,
+              provenance: dict[str, Any] | None = None) -> Any:
+    """Tune `request` (a `tune.TuneRequest`; its `timeout`: the wall-time cap of the problem,
+    counted from `started`, default now) with evaluator `ev` (a GPU `tune.Objective`, or a
+    `replay.ReplayEvaluator`) through the `tune.Tuner` of `ckgen tune` (the incumbent, the default
+    and the cost model's picks first; the study's best, the default and the incumbent re-timed)
+    and return the winner's DB entry (provenance `tuned_by: online`, plus `provenance`)."""
     import optuna
 
-    from . import __version__, costmodel
-    from .bench import gbps
-    from .db import Entry
+    from . import __version__
     from .instance import render_instance
-    from .tune import final_round, model_picks, search
+    from .target import DeviceInfo
+    from .tune import Tuner, db_entry
 
     t0 = time.monotonic() if started is None else started
-    timeout = None if max_seconds is None else max(0.0, max_seconds - (time.monotonic() - t0))
-    picks = model_picks(op, problem, target, trials)
-    valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
-    inc = (incumbent,) if incumbent is not None and incumbent in valid else ()
-    study, default_cfg = search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout, storage=storage,
-                                seed=seed, device=device, model_seeds=tuple(picks), record=record,
-                                model=costmodel.load(), warm=inc)
+    max_seconds = request.timeout
+    if max_seconds is not None:
+        request = dataclasses.replace(request, timeout=max(0.0, max_seconds - (time.monotonic() - t0)))
+    tuner = Tuner(request, ev, record=record, started=t0)
+    study = tuner.search()
     if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         why = (f"every measured config failed (first: {ev.failures[0][1][:200]})" if ev.failures else
                f"the time budget ({max_seconds:g} s) ran out before the first config was measured")
         raise RuntimeError(f"no config measured: {why}")
-    ranked = final_round(ev, study, default_cfg, valid, also=inc)
-    if record:
-        for m in ranked:
-            record(m.config, m.timing.median_us, phase="final")
+    ranked = tuner.final(study)
     if not ranked:
         raise RuntimeError(f"no candidate passed verification in the final round; failures: {ev.failures[:3]}")
-    best = ranked[0]
-    default = next((m for m in ranked if m.config == default_cfg), None)
-    src = render_instance(op, problem, best.config, target)
+    result = tuner.result(ranked)
+    op, problem, target = request.op, request.problem, request.target
+    src = render_instance(op, problem, result.best.config, target)  # the instance and source today's templates render
+    result.best = dataclasses.replace(result.best, instance=src.name, sha256=src.sha256)
     prov = {"ckgen": __version__, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "trials": len(ev.measured), "tuning_seconds": round(time.monotonic() - t0, 1), "tuned_by": "online",
+            "trials": result.trials, "tuning_seconds": round(time.monotonic() - t0, 1), "tuned_by": "online",
             **(provenance or {})}
-    return Entry(op=op.name, vendor=target.vendor, arch=target.arch, device=device or "unknown device",
-                 problem=problem.key(), config=best.config.items, instance=src.name, source_sha256=src.sha256,
-                 time_us=round(best.timing.median_us, 3), gbps=round(gbps(op.min_bytes(problem), best.timing.median_us), 1),
-                 default_time_us=round(default.timing.median_us, 3) if default else -1.0,
-                 spread=round(best.timing.spread, 4), provenance=prov)
+    info = DeviceInfo(target, request.device or "unknown device", request.num_sms, 0)
+    return db_entry(result, info, prov)
 
 
 def tune_on_device(op: Any, problem: Any, *, device: int, trials: int, max_seconds: float | None) -> Any:
@@ -374,16 +359,18 @@ def tune_on_device(op: Any, problem: Any, *, device: int, trials: int, max_secon
     try:
         from .bench import Timer
         from .records import Recorder
-        from .tune import dispatcher_pick
+        from .tune import Objective, TuneRequest, dispatcher_pick
         from .verify import Harness
 
-        ev = _objective()(op, problem, info.target, Harness(op, problem, seed=None), Timer(info.l2_bytes))
+        ev = Objective(op, problem, info.target, Harness(op, problem, seed=None), Timer(info.l2_bytes),
+                       compile_ahead=_compile_ahead)
         prov = {"cupy": cupy.__version__, "cuda_runtime": int(rt.runtimeGetVersion()),
                 "cuda_driver": int(rt.driverGetVersion())}
-        return tune_with(op, problem, info.target, ev, trials=trials, max_seconds=max_seconds, num_sms=info.num_sms,
-                         device=info.name, storage=settings.study_storage_url(),
-                         record=Recorder(op, problem, info.target, info.name), started=t0, provenance=prov,
-                         incumbent=dispatcher_pick(op, problem, info.target))
+        request = TuneRequest.on(op, problem, info, trials=trials, timeout=max_seconds,
+                                 storage=settings.study_storage_url(),
+                                 incumbent=dispatcher_pick(op, problem, info.target))
+        return tune_with(request, ev, record=Recorder(op, problem, info.target, info.name), started=t0,
+                         provenance=prov)
     finally:
         ev = None
         cupy.get_default_memory_pool().free_all_blocks()
@@ -416,20 +403,24 @@ def _compile(src: Any, target: Any) -> str | None:
         return e.log.strip()[-400:]
 
 
-@functools.lru_cache(maxsize=None)
-def _objective() -> type:
-    """`tune._Objective`, compiling ahead in this process's threads instead of worker processes."""
-    from .instance import render_instance
-    from .tune import _Objective
+def _compile_ahead(src: Any, target: Any) -> cf.Future[str | None] | None:
+    """The objective's compile-ahead here: in this process's threads (NVRTC releases the GIL), not
+    in spawned worker processes, which would re-import the user's script. HIP compiles when loaded
+    (hiprtc): None."""
+    if target.vendor != "cuda":
+        return None
+    return _compile_threads().submit(_compile, src, target)
 
-    class InProcess(_Objective):
-        def start(self, configs: list[Any]) -> None:
-            if self.target.vendor != "cuda":
-                return  # HIP compiles when loaded (hiprtc)
-            for c in configs:
-                if c in self.measured or c in self.pending:
-                    continue
-                src = render_instance(self.op, self.problem, c, self.target)
-                self.pending[c] = _compile_threads().submit(_compile, src, self.target)
 
-    return InProcess
+# ------------------------------------------------------------------------------- registration
+
+
+def _on_untuned(op: Any, problem: Any, target: Any, site: Site) -> bool:
+    return maybe_tune(op, problem, target, site)  # looked up at each call (tests replace it)
+
+
+def _attempted(op: str, problem: str, arch: str) -> bool:
+    return attempted(op, problem, arch)
+
+
+set_untuned_hook(_on_untuned, _attempted)  # the dispatcher never imports this module: it is told

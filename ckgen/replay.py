@@ -1,5 +1,5 @@
 """Tuning without a GPU: a recorded exhaustive sweep (bench/sweep.py output, tests/data/sweeps/)
-stands in for the device, so `tune.search` can be run and scored anywhere (tests, sampler
+stands in for the device, so a `tune.Tuner`'s search can be run and scored anywhere (tests, sampler
 comparisons: bench/replay_search.py).
 
 A sweep recorded before a knob joined the space lacks that knob: its configs are read with the
@@ -19,7 +19,7 @@ from .bench import Timing
 from .ops import get_op
 from .ops.spec import OpSpec, Problem
 from .types import Config, Target
-from .tune import AHEAD, Measured, TrialFailed, final_measured, model_picks, search
+from .tune import AHEAD, Measured, TrialFailed, Tuner, TuneRequest, final_measured, model_picks
 
 # Sweeps in the first format carry no op or arch: they are groupnorm_fwd runs on an H100.
 LEGACY_OP, LEGACY_ARCH = "groupnorm_fwd", "sm_90"
@@ -106,7 +106,7 @@ def load_sweep(path: Path | str) -> Sweep:
 
 
 class ReplayEvaluator:
-    """`tune.search`'s evaluator answering from recorded times; TrialFailed for recorded failures.
+    """A `tune.Tuner`'s evaluator answering from recorded times; TrialFailed for recorded failures.
     `noise` (relative, seeded) perturbs the final round's re-timings, for tests of the pick."""
 
     def __init__(self, time_of: Callable[[Config], float | None], instance: Callable[[Config], str] = Config.key,
@@ -219,8 +219,9 @@ def replay(sweep: Sweep, trials: int, seed: int, sampler: str | None = None, ahe
             ok = lambda c: sweep.covers(c) and bool(op.validate(sweep.problem, c, sweep.target))  # noqa: E731
             memo[key] = model_picks(op, sweep.problem, sweep.target, trials, ok, cost, records=held_out_records(sweep))
         picks = memo[key]
-    search(op, sweep.problem, sweep.target, sweep.num_sms, ev, trials=trials, timeout=None, storage=storage,
-           seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model_seeds=picks, model=cost)
+    request = TuneRequest(op, sweep.problem, sweep.target, num_sms=sweep.num_sms, trials=trials, storage=storage,
+                          seed=seed, sampler=sampler, ahead=ahead, restrict=sweep.covers, model=cost, picks=picks)
+    Tuner(request, ev).search()
     found = min((m.timing.median_us for m in ev.measured.values()), default=math.inf)
     return found / sweep.best, ev
 

@@ -6,7 +6,13 @@ data. Proposals are compiled in parallel worker processes a few ahead of the GPU
 result is told as it arrives, so the next proposal comes from the latest model. Wrong or failing
 candidates are failed trials with their reason. Budgets in trials and seconds; resumable from
 optuna storage (SQLite under the cache dir). The winner is picked among the best few by fresh
-timings, interleaved over several rounds, by median."""
+timings, interleaved over several rounds, by median.
+
+The pipeline is written once: a `TuneRequest` (what to tune, the budget, the search's settings)
+and a `Tuner` (model picks -> valid set -> incumbent -> search -> final round -> result) with the
+evaluator as its one seam (`Objective` on this GPU, `replay.ReplayEvaluator` on recorded times).
+`ckgen tune` and `ckgen retune` (`tune_problem`, then `save_result`), online tuning
+(ckgen/online.py) and the workers (ckgen/workers.py: claiming and reporting around it) use it."""
 from __future__ import annotations
 
 import collections
@@ -17,7 +23,7 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,7 +70,7 @@ class TuneResult:
     problem: Problem
     best: Measured
     default: Measured | None
-    copy: Timing
+    copy: Timing | None  # the copy kernel's timing (None: not timed: `efficiency` is nan)
     min_bytes: int
     trials: int
     pruned: int  # proposals dropped before any compile (invalid or taken under a race); 0 normally
@@ -79,7 +85,7 @@ class TuneResult:
 
     @property
     def efficiency(self) -> float:
-        return self.copy.median_us / self.best.timing.median_us
+        return self.copy.median_us / self.best.timing.median_us if self.copy is not None else float("nan")
 
     @property
     def speedup_vs_default(self) -> float:
@@ -190,7 +196,7 @@ def open_storage(storage: Any) -> Any:
                 kw["engine_kwargs"] = {"connect_args": {"timeout": SQLITE_BUSY_S}}
                 with filelock.FileLock(f"{path}.lock", timeout=SQLITE_BUSY_S):
                     return optuna.storages.RDBStorage(storage, **kw)
-            lock = _claim_lock(storage, "ckgen schema")  # PostgreSQL: first runs race on the schema too
+            lock = claim_lock(storage, "ckgen schema")  # PostgreSQL: first runs race on the schema too
             with lock if isinstance(lock, _PgAdvisoryLock) else contextlib.nullcontext():
                 return optuna.storages.RDBStorage(storage, **kw)
     except (*_storage_errors(), filelock.Timeout, OSError) as e:
@@ -219,7 +225,7 @@ def _beats(storage: Any) -> bool:
     return bool(interval and interval() is not None and hasattr(storage, "record_heartbeat"))
 
 
-def _claim_lock(storage: Any, name: str = "") -> Any:
+def claim_lock(storage: Any, name: str = "") -> Any:
     """Tuners sharing a study take this lock to propose, so that two never pick one config:
     on a SQLite file, a file lock beside it (`<file>.propose.lock`, one for every study of the
     file); on PostgreSQL, an advisory lock keyed by the study `name` (`_PgAdvisoryLock`),
@@ -287,43 +293,63 @@ class _PgAdvisoryLock:
             conn.close()
 
 
-class _Heartbeat:
-    """Beats for the trials this process holds, from a thread, every HEARTBEAT_S seconds."""
+class Heartbeat:
+    """Beats from a thread every HEARTBEAT_S seconds (read at each beat: the workers' tests shorten
+    it) for each item it holds: `beat(item)`, until the item is removed or the heartbeat closed. A
+    failed beat is retried at the next; the work around it reports storage errors. Used for the
+    trials a search holds (`trial_heartbeat`) and for a worker's claim on a final round
+    (ckgen/workers.py). `beat` None: it does nothing (a storage without heartbeats)."""
 
-    def __init__(self, study: Any):
+    def __init__(self, beat: Callable[[Any], None] | None):
         import threading
 
-        self.storage = study._storage if _beats(study._storage) else None
-        self.trials: set[int] = set()
+        self.beat = beat
+        self.items: set[Any] = set()
         self.lock, self.stop = threading.Lock(), threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True) if self.storage is not None else None
+        self.thread = threading.Thread(target=self._run, daemon=True) if beat is not None else None
         if self.thread is not None:
             self.thread.start()
 
-    def add(self, trial: Any) -> None:
-        if self.storage is not None:
+    def add(self, item: Any, now: bool = True) -> None:
+        """Beat for `item` from now on (`now`: a first beat at once, in this thread)."""
+        if self.beat is not None:
             with self.lock:
-                self.trials.add(trial._trial_id)
-            self.storage.record_heartbeat(trial._trial_id)
+                self.items.add(item)
+            if now:
+                self.beat(item)
 
-    def remove(self, trial: Any) -> None:
+    def remove(self, item: Any) -> None:
         with self.lock:
-            self.trials.discard(trial._trial_id)
+            self.items.discard(item)
 
     def _run(self) -> None:
+        assert self.beat is not None
         while not self.stop.wait(HEARTBEAT_S):
             with self.lock:
-                ids = list(self.trials)
-            for i in ids:
+                items = list(self.items)
+            for i in items:
                 try:
-                    self.storage.record_heartbeat(i)
-                except Exception:  # a missed beat is retried; the search reports storage errors
+                    self.beat(i)
+                except Exception:  # noqa: BLE001 - a missed beat is retried; the work reports storage errors
                     pass
 
     def close(self) -> None:
         self.stop.set()
         if self.thread is not None:
             self.thread.join(timeout=5)
+
+    def __enter__(self) -> "Heartbeat":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def trial_heartbeat(study: Any) -> Heartbeat:
+    """The heartbeat of the trials (their ids) this process holds in `study`, for a storage that
+    keeps heartbeats (a RUNNING trial silent for GRACE_S is failed and its config proposed again)."""
+    storage = study._storage
+    return Heartbeat(storage.record_heartbeat if _beats(storage) else None)
 
 
 def _compile_job(src: Any, target: Target, cache: str) -> str | None:
@@ -338,16 +364,22 @@ def _compile_job(src: Any, target: Target, cache: str) -> str | None:
         return e.log.strip()[-400:]
 
 
-def _job_pool() -> cf.ProcessPoolExecutor:
-    """The compile pool of this process (`compile.pool`: shut down by `compile.close_pool`)."""
-    return compile_pool()
+def compile_in_pool(src: Any, target: Target) -> cf.Future[str | None]:
+    """`Objective`'s default compile-ahead: in the compile pool of this process (`compile.pool`:
+    worker processes, shut down by `compile.close_pool`), into the disk cache of this process."""
+    return compile_pool().submit(_compile_job, src, target, str(settings.cache_dir()))
 
 
-class _Objective:
-    """Compiles (in the background), verifies and times configs of one problem on this GPU."""
+class Objective:
+    """The GPU evaluator of a `Tuner`: compiles (in the background), verifies and times configs of
+    one problem on this GPU. `compile_ahead(src, target)` starts a config's compile and returns
+    its future (the compiler's message, or None), or None to compile when measured; default:
+    `compile_in_pool` (worker processes). Online tuning compiles in threads instead."""
 
-    def __init__(self, op: OpSpec, problem: Problem, target: Target, harness: Harness, timer: Timer):
+    def __init__(self, op: OpSpec, problem: Problem, target: Target, harness: Harness, timer: Timer,
+                 compile_ahead: Callable[[Any, Target], cf.Future[str | None] | None] | None = None):
         self.op, self.problem, self.target, self.h, self.timer = op, problem, target, harness, timer
+        self.compile_ahead = compile_ahead or compile_in_pool
         self.space = op.space
         self.failures: list[tuple[str, str]] = []
         self.measured: dict[Config, Measured] = {}
@@ -357,12 +389,13 @@ class _Objective:
         self.pruned = 0
 
     def start(self, configs: list[Config]) -> None:
-        """Compile in worker processes, without waiting: `measure` waits for its own config."""
+        """Start compiling (`compile_ahead`), without waiting: `measure` waits for its own config."""
         for c in configs:
             if c in self.measured or c in self.pending:
                 continue
-            src = render_instance(self.op, self.problem, c, self.target)
-            self.pending[c] = _job_pool().submit(_compile_job, src, self.target, str(settings.cache_dir()))
+            job = self.compile_ahead(render_instance(self.op, self.problem, c, self.target), self.target)
+            if job is not None:
+                self.pending[c] = job
 
     def prepare(self, configs: list[Config]) -> None:
         """Compile many in parallel and wait (bench/sweep.py)."""
@@ -431,8 +464,10 @@ def final_measured(config: Config, instance: str, sha256: str, rounds: list[floa
                     Timing(statistics.median(rounds), min(rounds), max(rounds), len(rounds)), tuple(rounds))
 
 
-def _valid_space(op: OpSpec, problem: Problem, target: Target,
-                 restrict: Callable[[Config], bool] | None) -> list[Config]:
+def valid_space(op: OpSpec, problem: Problem, target: Target,
+                restrict: Callable[[Config], bool] | None = None) -> list[Config]:
+    """The configs of the space valid for `problem` that `restrict` accepts (all: None), in the
+    space's order; RuntimeError when there is none."""
     # `restrict` first: a set lookup where it is given (a replay's recorded configs), before validate
     valid = [c for c in op.space.enumerate() if (restrict is None or restrict(c)) and op.validate(problem, c, target)]
     if not valid:
@@ -455,7 +490,7 @@ def geometry(op: OpSpec, problem: Problem, target: Target) -> Callable[[Config],
     return features
 
 
-def _n_seeds(trials: int) -> int:
+def n_seeds(trials: int) -> int:
     return max(2, min(12, trials // 4))
 
 
@@ -469,7 +504,7 @@ def _heuristic_seeds(op: OpSpec, seeds: list[Config], count: int, trials: int) -
 
 
 # Winners of the nearest recorded problems seeded beside the cost model's picks (`model_picks`),
-# within the `_n_seeds` slots (so at most 3 at 20 trials). 4 was chosen on the replayed sweeps
+# within the `n_seeds` slots (so at most 3 at 20 trials). 4 was chosen on the replayed sweeps
 # (bench/replay_search.py): runs within 3% of the best over the 22 sweeps x 3 seeds at 40 / 20 trials: 1
 # neighbour 57/66, 46/66; 2: 60, 45; 3: 57, 51; 4: 60, 51 (none, over 20 seeds: 82%, 68%).
 NEIGHBOURS = 4
@@ -478,10 +513,10 @@ NEIGHBOURS = 4
 def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
                 allowed: Callable[[Config], bool] | None = None, model: Any = None,
                 records: list[dict[str, Any]] | None = None, neighbours: int = NEIGHBOURS) -> tuple[Config, ...]:
-    """The first seeds of a search of `trials` (`search`'s `model_seeds`) that `allowed` accepts
+    """The first seeds of a search of `trials` (`TuneRequest.picks`) that `allowed` accepts
     (default: every valid config): the cost model's best candidates, then the distinct winners of
     the `neighbours` nearest recorded problems (`costmodel.nearest_recorded_winners`; as many as
-    fit in `_n_seeds(trials)`), which do not hang on the model (when it is wrong about a problem,
+    fit in `n_seeds(trials)`), which do not hang on the model (when it is wrong about a problem,
     all its picks tend to be wrong alike).
     `model`: a CostModel to ask instead of the one in use; `records`: the records to take the
     neighbours from instead of the shipped and user ones (`records.all_records`; a replay passes
@@ -498,9 +533,9 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
     # blocks per SM at batch 1 (without them, a 40-trial tune of the held-out 1x4x1024x1024
     # GroupNorm forward found 27 us where the dispatcher's carried pick ran 19 us)
     carried = costmodel.carried_winners(op, problem, target, costmodel.recorded_winners(records, op, target.arch))
-    picks = costmodel.top_configs(op, problem, target, max(1, _n_seeds(trials) // 2), ok, model=model,
+    picks = costmodel.top_configs(op, problem, target, max(1, n_seeds(trials) // 2), ok, model=model,
                                   extra_winners=carried)
-    neighbours = min(neighbours, _n_seeds(trials) - len(picks))  # `search` seeds no more
+    neighbours = min(neighbours, n_seeds(trials) - len(picks))  # `Tuner.search` seeds no more
     if neighbours > 0:
         fresh = lambda c: c not in picks and bool(ok(c))  # noqa: E731
         near = costmodel.nearest_recorded_winners(records, op, problem, target.arch, fresh, neighbours)
@@ -508,172 +543,296 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
     return tuple(picks)
 
 
-def search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *,
-           trials: int, timeout: float | None, storage: Any, seed: int, sampler: str | None = None,
-           ahead: int = AHEAD, on_trial: Callable[[int, int, float], None] | None = None,
-           warm: tuple[Config, ...] = (), restrict: Callable[[Config], bool] | None = None,
-           device: str = "", model_seeds: tuple[Config, ...] = (),
-           record: Callable[..., None] | None = None, run: Any = None, model: Any = None,
-           valid: list[Config] | None = None) -> tuple[Any, Config]:
-    """The search loop, apart from the device. `ev.start(configs)` begins compiling configs
-    without waiting; `ev.measure(config)` returns a Measured or raises TrialFailed. Returns the
-    optuna study and the default config (measured first, after any `warm` configs).
-
-    - `trials` counts configs measured in this run (failed ones included), at most the number of
-      valid configs no trial holds yet. Every trial holds a distinct config.
-    - `ahead` configs are proposed and compiling while one is measured; each result is told as it
-      arrives and the next proposal is made from it.
-    - `restrict`: search only the valid configs it accepts (e.g. those a recorded sweep holds).
-    - `valid`: those configs, where the caller has them already (`_valid_space(op, problem, target,
-      restrict)`: a second or more of CPU for a large space); None: made here.
-    - `warm`: configs to measure first (e.g. another arch's winners), before the default and seeds.
-    - `model_seeds`: the cost model's picks, measured right after the default; they take the
-      first of the `_n_seeds(trials)` seed slots, `op.seed_configs` the rest (at least one of
-      each `op.seed_family`, within half the budget: `_heuristic_seeds`).
-    - `model`: a CostModel whose predicted GPU time is the sampler's prior mean (the GP models
-      log time minus log prediction); None: a zero prior mean.
-    - `record(config, time_us or None, reason)`: called with every measured config (records).
-    - `storage`: None (in memory), an optuna storage, or a URL (`open_storage`). Several tuners
-      may share one study: each proposes configs no other holds, and the trials of a tuner that
-      died are failed after GRACE_S and their configs proposed again.
-    - `run`: a budget shared with other tuners (ckgen/workers.py): `run.allow(study)`, asked under
-      the propose lock before each proposal, says whether the shared budget has room for one more
-      trial; `run.tag(trial)`, still under the lock, marks the trial as the run's.
-    Storage failures raise StudyStorageError."""
-    import filelock
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        with warnings.catch_warnings():  # we beat ourselves (ask/tell, not Study.optimize)
-            warnings.filterwarnings("ignore", message="Heartbeat of storage")
-            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-            return _search(op, problem, target, num_sms, ev, trials=trials, timeout=timeout,
-                           storage=open_storage(storage), seed=seed, sampler=sampler, ahead=ahead,
-                           on_trial=on_trial, warm=warm, restrict=restrict, device=device,
-                           claims=_claim_lock(storage, study_name(op, problem, target, device)),
-                           model_seeds=model_seeds, record=record, run=run, model=model, valid=valid)
-    except (*_storage_errors(), filelock.Timeout) as e:
-        raise StudyStorageError(f"optuna study storage {shown_url(storage)}: {e.__class__.__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
+# The cost model a request names by default: the one in use (`costmodel.load()`).
+IN_USE = "in use"
 
 
-def _search(op: OpSpec, problem: Problem, target: Target, num_sms: int, ev: Any, *, trials: int,
-            timeout: float | None, storage: Any, seed: int, sampler: str | None, ahead: int,
-            on_trial: Callable[[int, int, float], None] | None, warm: tuple[Config, ...],
-            restrict: Callable[[Config], bool] | None, device: str, claims: Any,
-            model_seeds: tuple[Config, ...] = (), record: Callable[..., None] | None = None,
-            run: Any = None, model: Any = None, valid: list[Config] | None = None) -> tuple[Any, Config]:
-    import optuna
+@dataclass(frozen=True)
+class TuneRequest:
+    """What to tune and how: one problem of one op on one device, its budget, the search's
+    settings and what the search starts from. The one input of a `Tuner`, so of `ckgen tune`,
+    `ckgen retune`, online tuning (ckgen/online.py) and the workers (ckgen/workers.py)."""
 
-    from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
+    op: OpSpec
+    problem: Problem
+    target: Target
+    device: str = ""  # the GPU's name: in the study name (two GPUs of one arch share no timings)
+    num_sms: int = 132
+    trials: int = 40  # configs measured in this run, failed ones included
+    timeout: float | None = None  # seconds for the search (None: no cap)
+    storage: Any = None  # optuna storage: None (in memory), a URL (`open_storage`), or a storage
+    seed: int = 0  # the sampler's
+    sampler: str | None = None  # a sampler strategy (ckgen/sampler.py); None: its default
+    ahead: int = AHEAD  # configs proposed and compiling while one is measured
+    rounds: int = ROUNDS  # interleaved rounds of the final re-timing
+    finalists: int = FINALISTS  # the study's best configs re-timed in the final round
+    warm: tuple[Config, ...] = ()  # measured first (`ckgen retune`: another arch's winner)
+    # what the call runs today (`dispatcher_pick`): measured right after `warm` and re-timed in the
+    # final round, so a tune never ends on a config slower than it; ignored when not valid
+    incumbent: Config | None = None
+    restrict: Callable[[Config], bool] | None = None  # search only the valid configs it accepts
+    # the cost model: its prediction is the sampler's prior mean; IN_USE (`costmodel.load()`), a
+    # CostModel, or None (a zero prior mean, and no model picks)
+    model: Any = IN_USE
+    # the first seeds after the default; None: the model's (`model_picks`; none without a model)
+    picks: tuple[Config, ...] | None = None
 
-    t0 = time.monotonic()
-    if valid is None:
-        valid = _valid_space(op, problem, target, restrict)
-    valid_set = set(valid)
-    # Trials are suggested over the space's own values, so a study keeps its distributions.
-    choices = {n: list(vals) for n, vals in op.space.params.items()}
-    names = list(choices)
-    prior = None
-    if model is not None:  # the cost model's prediction is the GP's prior mean
-        prior = [math.log(max(p.gpu_us, 1e-3)) for p in model.predict_many(op, problem, valid, target)]
-    smp = ValidSetSampler(valid, choices, strategy=sampler or DEFAULT_STRATEGY, seed=seed,
-                          extra=geometry(op, problem, target), prior=prior)
-    study = optuna.create_study(study_name=study_name(op, problem, target, device), storage=storage,
-                                load_if_exists=True, direction="minimize", sampler=smp)
-    if _beats(study._storage):
-        optuna.storages.fail_stale_trials(study)  # a dead tuner's RUNNING trials: FAIL, proposable again
-    # "The default" is the space's default, or the valid config nearest it (as the dispatcher does).
-    default_cfg = op.space.nearest_default(lambda c: c in valid_set)
-    assert default_cfg is not None  # `valid` is non-empty
-    seeds = [c for c in op.seed_configs(problem, target, num_sms, count=len(valid)) if c in valid_set]
-    picks = list(dict.fromkeys(c for c in model_seeds if c in valid_set))[: _n_seeds(trials)]
-    enqueue = [c for c in warm if c in valid_set] + [default_cfg] + picks + \
-        _heuristic_seeds(op, [c for c in seeds if c not in picks], _n_seeds(trials) - len(picks), trials)
-    for cfg in dict.fromkeys(enqueue):
-        study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
-    States = optuna.trial.TrialState
-    trials = min(trials, smp.available(study))
-    done, best = 0, math.inf
-    in_flight: collections.deque[tuple[Any, Config]] = collections.deque()
-    beat = _Heartbeat(study)
+    @classmethod
+    def on(cls, op: OpSpec, problem: Problem, info: DeviceInfo, **fields: Any) -> "TuneRequest":
+        """A request for the GPU `info` describes (its target, name and SM count)."""
+        return cls(op, problem, info.target, device=info.name, num_sms=info.num_sms, **fields)
 
-    def drop(trial: Any, attr: str, value: Any) -> None:
-        trial.set_user_attr(attr, value)
-        study.tell(trial, state=States.FAIL, skip_if_finished=True)
+    def study_name(self) -> str:
+        return study_name(self.op, self.problem, self.target, self.device)
 
-    def propose() -> tuple[Any, Config] | None:
-        """The next trial and its config, or None when every valid config is taken."""
-        with claims:  # tuners on one SQLite file propose one at a time: no two claim one config
-            return _propose()
 
-    def _propose() -> tuple[Any, Config] | None:
-        while smp.available(study) > 0:
-            if run is not None and not run.allow(study):  # the shared budget is spent
-                return None
-            trial = study.ask()
-            beat.add(trial)
-            cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})
-            if cfg not in valid_set:  # only an enqueued config from elsewhere can be invalid here
-                ok = op.validate(problem, cfg, target)
-                reason = ok.reason if not ok else "outside the searched configs"
-            else:  # under a race with another tuner, the lower trial number keeps the config
-                twin = next((t.number for t in study.get_trials(deepcopy=False)
-                             if t.number != trial.number and config_of(t, names) == cfg and settled(t)
-                             and (t.state != States.RUNNING or t.number < trial.number)), None)
-                if twin is None:
-                    if run is not None:
-                        run.tag(trial)
-                    return trial, cfg
-                reason = None
-            ev.pruned += 1
-            beat.remove(trial)
-            drop(trial, "invalid" if reason else "duplicate_of", reason or twin)
-        return None
+class Tuner:
+    """One problem's tuning pipeline: model picks -> valid set -> incumbent -> search -> final
+    round -> result (`run`; the workers run `search` and `final` apart, around their claims).
 
-    def time_left() -> bool:
-        return timeout is None or time.monotonic() - t0 < timeout
+    The evaluator is the one seam: `Objective` (this GPU), `replay.ReplayEvaluator` (recorded
+    or synthetic times) or any object with their contract: `start(configs)` begins compiling
+    without waiting; `measure(config)` returns a Measured or raises TrialFailed; `retime(configs,
+    rounds)` returns (Measured by config, why by failed config); `measured` (config -> Measured),
+    `failures` ([(config key, why)]) and `pruned` (int) are kept on it.
 
-    exhausted = False
-    try:
-        while True:
-            while not exhausted and time_left() and done + len(in_flight) < trials and len(in_flight) < max(1, ahead):
-                got = propose()
-                if got is None:
-                    exhausted = True
-                else:
-                    ev.start([got[1]])
-                    in_flight.append(got)
-            if not in_flight or not time_left():
-                break
-            trial, config = in_flight.popleft()
-            try:
-                m = ev.measure(config)
-            except TrialFailed as e:
-                trial.set_user_attr(FAILURE_ATTR, str(e))
-                ev.failures.append((config.key(), str(e)))
-                study.tell(trial, state=States.FAIL, skip_if_finished=True)
-                if record:
-                    record(config, None, str(e))
+    Hooks: `record(config, time_us or None, reason, phase=...)` gets every measurement (the
+    records: `records.Recorder`); `on_trial(done, total, best_us)` reports progress; `run`, a
+    budget shared with other tuners (ckgen/workers.py): `run.allow(study)`, asked under the propose
+    lock before each proposal, says whether the shared budget has room for one more trial, and
+    `run.tag(trial)`, still under the lock, marks the trial as the run's. `valid`: the valid
+    configs (`valid_space`), where the caller has them already (a second or more of CPU for a
+    large space). `started`: `time.monotonic()` when the tuning began (the result's seconds)."""
+
+    def __init__(self, request: TuneRequest, evaluator: Any, *, record: Callable[..., None] | None = None,
+                 on_trial: Callable[[int, int, float], None] | None = None, run: Any = None,
+                 valid: list[Config] | None = None, started: float | None = None):
+        self.req, self.ev = request, evaluator
+        self.record, self.on_trial, self.shared = record, on_trial, run
+        self.started = time.monotonic() if started is None else started
+        self._valid, self._index = valid, None if valid is None else frozenset(valid)
+        self._model: Any = self  # not asked yet
+        self._picks: tuple[Config, ...] | None = None
+
+    # -- the steps
+    def model(self) -> Any:
+        """The cost model of the request (IN_USE: loaded once), or None."""
+        if self._model is self:
+            m = self.req.model
+            if isinstance(m, str) and m == IN_USE:
+                from . import costmodel
+
+                m = costmodel.load()
+            self._model = m
+        return self._model
+
+    def picks(self) -> tuple[Config, ...]:
+        """The model's picks to seed (`model_picks`), or the request's own."""
+        if self._picks is None:
+            r = self.req
+            if r.picks is not None:
+                self._picks = tuple(r.picks)
+            elif r.model is None:
+                self._picks = ()
             else:
-                trial.set_user_attr("instance", m.instance)
-                trial.set_user_attr("spread", round(m.timing.spread, 4))
-                study.tell(trial, m.timing.median_us, skip_if_finished=True)
-                best = min(best, m.timing.median_us)
-                if record:
-                    record(config, m.timing.median_us)
-            beat.remove(trial)
-            done += 1
-            if on_trial:
-                on_trial(done, trials, best)
-    finally:
+                in_use = isinstance(r.model, str) and r.model == IN_USE
+                self._picks = model_picks(r.op, r.problem, r.target, r.trials, model=None if in_use else r.model)
+        return self._picks
+
+    def valid(self) -> list[Config]:
+        """The configs searched: the valid ones the request's `restrict` accepts (made once)."""
+        if self._valid is None:
+            self._valid = valid_space(self.req.op, self.req.problem, self.req.target, self.req.restrict)
+            self._index = frozenset(self._valid)
+        return self._valid
+
+    def index(self) -> frozenset[Config]:
+        self.valid()
+        assert self._index is not None
+        return self._index
+
+    def incumbent(self) -> tuple[Config, ...]:
+        """The request's incumbent, if it is valid here."""
+        inc = self.req.incumbent
+        return (inc,) if inc is not None and inc in self.index() else ()
+
+    def default(self) -> Config:
+        """"The default": the space's default, or the valid config nearest it (as the dispatcher's)."""
+        index = self.index()
+        cfg = self.req.op.space.nearest_default(lambda c: c in index)
+        assert cfg is not None  # the valid set is not empty
+        return cfg
+
+    def search(self) -> Any:
+        """The search loop: returns the optuna study (the default config measured first, after
+        `warm` and the incumbent, then the model's picks and the op's heuristic seeds).
+
+        - `trials` counts configs measured in this run (failed ones included), at most the number
+          of valid configs no trial holds yet. Every trial holds a distinct config.
+        - `ahead` configs are proposed and compiling while one is measured; each result is told
+          as it arrives and the next proposal is made from it.
+        - The model's picks take the first of the `n_seeds(trials)` seed slots, `op.seed_configs`
+          the rest (at least one of each `op.seed_family`, within half the budget:
+          `_heuristic_seeds`).
+        - Several tuners may share one study (a storage URL): each proposes configs no other
+          holds (`claim_lock`), and the trials of a tuner that died are failed after GRACE_S and
+          their configs proposed again.
+        Storage failures raise StudyStorageError."""
+        import filelock
+        import optuna
+
+        storage = self.req.storage
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
         try:
-            for trial, _ in in_flight:  # proposed, never measured (time budget, or an error)
-                drop(trial, "cancelled", True)
+            with warnings.catch_warnings():  # we beat ourselves (ask/tell, not Study.optimize)
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+                return self._search(open_storage(storage), claim_lock(storage, self.req.study_name()))
+        except (*_storage_errors(), filelock.Timeout) as e:
+            raise StudyStorageError(f"optuna study storage {shown_url(storage)}: {e.__class__.__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+    def _search(self, storage: Any, claims: Any) -> Any:
+        import optuna
+
+        from .sampler import DEFAULT_STRATEGY, FAILURE_ATTR, ValidSetSampler, config_of, settled
+
+        r, ev, run = self.req, self.ev, self.shared
+        op, problem, target = r.op, r.problem, r.target
+        t0 = time.monotonic()
+        valid, valid_set = self.valid(), self.index()
+        # Trials are suggested over the space's own values, so a study keeps its distributions.
+        choices = {n: list(vals) for n, vals in op.space.params.items()}
+        names = list(choices)
+        model, prior = self.model(), None
+        if model is not None:  # the cost model's prediction is the GP's prior mean
+            prior = [math.log(max(p.gpu_us, 1e-3)) for p in model.predict_many(op, problem, valid, target)]
+        smp = ValidSetSampler(valid, choices, strategy=r.sampler or DEFAULT_STRATEGY, seed=r.seed,
+                              extra=geometry(op, problem, target), prior=prior)
+        study = optuna.create_study(study_name=r.study_name(), storage=storage, load_if_exists=True,
+                                    direction="minimize", sampler=smp)
+        if _beats(study._storage):
+            optuna.storages.fail_stale_trials(study)  # a dead tuner's RUNNING trials: FAIL, proposable again
+        default_cfg = self.default()
+        warm = tuple(dict.fromkeys(r.warm + self.incumbent()))
+        seeds = [c for c in op.seed_configs(problem, target, r.num_sms, count=len(valid)) if c in valid_set]
+        picks = list(dict.fromkeys(c for c in self.picks() if c in valid_set))[: n_seeds(r.trials)]
+        enqueue = [c for c in warm if c in valid_set] + [default_cfg] + picks + \
+            _heuristic_seeds(op, [c for c in seeds if c not in picks], n_seeds(r.trials) - len(picks), r.trials)
+        for cfg in dict.fromkeys(enqueue):
+            study.enqueue_trial(cfg.as_dict(), skip_if_exists=True)
+        States = optuna.trial.TrialState
+        trials = min(r.trials, smp.available(study))
+        done, best = 0, math.inf
+        in_flight: collections.deque[tuple[Any, Config]] = collections.deque()
+        beat = trial_heartbeat(study)
+
+        def drop(trial: Any, attr: str, value: Any) -> None:
+            trial.set_user_attr(attr, value)
+            study.tell(trial, state=States.FAIL, skip_if_finished=True)
+
+        def propose() -> tuple[Any, Config] | None:
+            """The next trial and its config, or None when every valid config is taken."""
+            with claims:  # tuners sharing the study propose one at a time: no two claim one config
+                return _propose()
+
+        def _propose() -> tuple[Any, Config] | None:
+            while smp.available(study) > 0:
+                if run is not None and not run.allow(study):  # the shared budget is spent
+                    return None
+                trial = study.ask()
+                beat.add(trial._trial_id)
+                cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})
+                if cfg not in valid_set:  # only an enqueued config from elsewhere can be invalid here
+                    ok = op.validate(problem, cfg, target)
+                    reason = ok.reason if not ok else "outside the searched configs"
+                else:  # under a race with another tuner, the lower trial number keeps the config
+                    twin = next((t.number for t in study.get_trials(deepcopy=False)
+                                 if t.number != trial.number and config_of(t, names) == cfg and settled(t)
+                                 and (t.state != States.RUNNING or t.number < trial.number)), None)
+                    if twin is None:
+                        if run is not None:
+                            run.tag(trial)
+                        return trial, cfg
+                    reason = None
+                ev.pruned += 1
+                beat.remove(trial._trial_id)
+                drop(trial, "invalid" if reason else "duplicate_of", reason or twin)
+            return None
+
+        def time_left() -> bool:
+            return r.timeout is None or time.monotonic() - t0 < r.timeout
+
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and time_left() and done + len(in_flight) < trials and \
+                        len(in_flight) < max(1, r.ahead):
+                    got = propose()
+                    if got is None:
+                        exhausted = True
+                    else:
+                        ev.start([got[1]])
+                        in_flight.append(got)
+                if not in_flight or not time_left():
+                    break
+                trial, config = in_flight.popleft()
+                try:
+                    m = ev.measure(config)
+                except TrialFailed as e:
+                    trial.set_user_attr(FAILURE_ATTR, str(e))
+                    ev.failures.append((config.key(), str(e)))
+                    study.tell(trial, state=States.FAIL, skip_if_finished=True)
+                    if self.record:
+                        self.record(config, None, str(e))
+                else:
+                    trial.set_user_attr("instance", m.instance)
+                    trial.set_user_attr("spread", round(m.timing.spread, 4))
+                    study.tell(trial, m.timing.median_us, skip_if_finished=True)
+                    best = min(best, m.timing.median_us)
+                    if self.record:
+                        self.record(config, m.timing.median_us)
+                beat.remove(trial._trial_id)
+                done += 1
+                if self.on_trial:
+                    self.on_trial(done, trials, best)
         finally:
-            beat.close()
-    return study, default_cfg
+            try:
+                for trial, _ in in_flight:  # proposed, never measured (time budget, or an error)
+                    drop(trial, "cancelled", True)
+            finally:
+                beat.close()
+        return study
+
+    def final(self, study: Any) -> list[Measured]:
+        """The final round (`final_round`: the study's best `finalists`, the default and the
+        incumbent re-timed over `rounds` rounds), best median first; each is recorded (phase
+        "final"). Failures go to the evaluator's."""
+        ranked = final_round(self.ev, study, self.default(), set(self.index()), self.req.rounds,
+                             self.req.finalists, also=self.incumbent())
+        if self.record:
+            for m in ranked:
+                self.record(m.config, m.timing.median_us, phase="final")
+        return ranked
+
+    def result(self, ranked: list[Measured], copy: Timing | None = None) -> TuneResult:
+        """The result of a final round (`ranked`, not empty): the winner, the default's timing,
+        the evaluator's counts and failures, the warm configs as measured; `copy`: the copy
+        kernel's timing (`efficiency`)."""
+        r, ev = self.req, self.ev
+        final = {m.config: m for m in ranked}
+        return TuneResult(r.op.name, r.problem, ranked[0], final.get(self.default()), copy, r.op.min_bytes(r.problem),
+                          trials=len(ev.measured), pruned=ev.pruned, failures=ev.failures,
+                          seconds=time.monotonic() - self.started,
+                          warm=[ev.measured[c] for c in r.warm if c in ev.measured], finalists=ranked)
+
+    def run(self) -> TuneResult:
+        """search -> final round -> result; RuntimeError when no candidate passed verification."""
+        ranked = self.final(self.search())
+        if not ranked:
+            raise RuntimeError(f"{self.req.op.name} {self.req.problem.key()}: no candidate passed verification; "
+                               f"failures: {self.ev.failures[:3]}")
+        return self.result(ranked)
 
 
 def finalists(study: Any, default_cfg: Config, valid: set[Config], count: int = FINALISTS,
@@ -723,44 +882,35 @@ def dispatcher_pick(op: OpSpec, problem: Problem, target: Target) -> Config | No
         return None
 
 
-def tune_problem(op: OpSpec, problem: Problem, info: DeviceInfo, *, trials: int = 40,
-                 timeout: float | None = None, storage: str | None = None, seed: int = 0,
-                 sampler: str | None = None, ahead: int = AHEAD, warm: tuple[Config, ...] = (),
-                 rounds: int = ROUNDS, on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
-    """Tune one problem on the current GPU and pick the winner: `search` (the dispatcher's pick
-    for the problem measured first, after `warm`: `dispatcher_pick`), then the best FINALISTS of
-    the study, the default and the dispatcher's pick re-timed fresh, interleaved over `rounds`
-    rounds; the lowest median wins. `on_trial(done, total, best_us)` reports progress."""
-    t0 = time.monotonic()
-    target = info.target
-    timer = Timer(info.l2_bytes)
-    harness = Harness(op, problem, seed=None)  # fresh random inputs every run
-    obj = _Objective(op, problem, target, harness, timer)
+def tune_problem(request: TuneRequest, info: DeviceInfo,
+                 on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
+    """Tune one problem on the current GPU (`info`) and pick the winner: a `Tuner` run with the
+    GPU objective (fresh random inputs), every measurement recorded (ckgen/records.py), the
+    dispatcher's pick for the problem as the incumbent (`dispatcher_pick`) unless the request
+    names one, and the copy kernel timed for the efficiency. `on_trial(done, total, best_us)`
+    reports progress."""
     from .records import Recorder
 
+    t0 = time.monotonic()
+    op, problem, target = request.op, request.problem, request.target
+    timer = Timer(info.l2_bytes)
+    obj = Objective(op, problem, target, Harness(op, problem, seed=None), timer)  # fresh random inputs every run
+    if request.incumbent is None:
+        request = replace(request, incumbent=dispatcher_pick(op, problem, target))
     record = Recorder(op, problem, target, info.name)  # every measurement is data (ckgen/records.py)
-    from . import costmodel
+    result = Tuner(request, obj, record=record, on_trial=on_trial, started=t0).run()
+    result.copy = timer.copy_time(op.min_bytes(problem))
+    return result
 
-    picks = model_picks(op, problem, target, trials)
-    valid = {c for c in op.space.enumerate() if op.validate(problem, c, target)}
-    pick = dispatcher_pick(op, problem, target)
-    incumbent = (pick,) if pick is not None and pick in valid else ()
-    study, default_cfg = search(op, problem, target, info.num_sms, obj, trials=trials, timeout=timeout,
-                                storage=storage, seed=seed, sampler=sampler, ahead=ahead, on_trial=on_trial,
-                                warm=tuple(dict.fromkeys(warm + incumbent)), device=info.name,
-                                model_seeds=tuple(picks), record=record, model=costmodel.load())
-    ranked = final_round(obj, study, default_cfg, valid, rounds, also=incumbent)
-    for m in ranked:
-        record(m.config, m.timing.median_us, phase="final")
-    if not ranked:
-        raise RuntimeError(f"{op.name} {problem.key()}: no candidate passed verification; "
-                           f"failures: {obj.failures[:3]}")
-    final = {m.config: m for m in ranked}
-    copy = timer.copy_time(op.min_bytes(problem))
-    return TuneResult(op.name, problem, ranked[0], final.get(default_cfg), copy, op.min_bytes(problem),
-                      trials=len(obj.measured), pruned=obj.pruned,
-                      failures=obj.failures, seconds=time.monotonic() - t0,
-                      warm=[obj.measured[c] for c in warm if c in obj.measured], finalists=ranked)
+
+def save_result(result: TuneResult, info: DeviceInfo, db_path: Any, prov: dict[str, Any] | None = None) -> Any:
+    """A tuning result's DB entry (`db_entry`) saved to the DB at `db_path` (`db.save_entries`: a
+    locked merge); returns the entry. db.DBError: a corrupt DB (the entry is kept in a side file)."""
+    from . import db as dbmod
+
+    entry = db_entry(result, info, prov)
+    dbmod.save_entries(db_path, [entry])
+    return entry
 
 
 def provenance(result: TuneResult) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from one optuna storage; the same command on another machine with the same Postg
   `--trials` trials per problem in all (running, complete, or failed for a reason; a trial lost
   with its worker does not count), `--timeout` seconds per problem from its first trial,
   `--total-timeout` for the run. `_RunBudget.allow` checks it under the study's propose lock
-  (a file lock on SQLite, an advisory lock on PostgreSQL: `tune._claim_lock`) before each
+  (a file lock on SQLite, an advisory lock on PostgreSQL: `tune.claim_lock`) before each
   proposal, so workers never overshoot it and never propose one config twice.
 - **A worker** scans the problems, works on the one with budget left and the fewest trials
   running (so workers spread out, and gather on the last big problems), and when a problem's budget
@@ -28,6 +28,7 @@ from one optuna storage; the same command on another machine with the same Postg
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -119,8 +120,8 @@ class GpuBackend:
         from .bench import Timer
         from .verify import Harness
 
-        return tune._Objective(op, problem, self.info.target, Harness(op, problem, seed=None),
-                               Timer(self.info.l2_bytes))
+        return tune.Objective(op, problem, self.info.target, Harness(op, problem, seed=None),
+                              Timer(self.info.l2_bytes))
 
     def restrict(self, op: OpSpec, problem: Problem) -> Callable[[Config], bool] | None:
         return None
@@ -134,7 +135,7 @@ class GpuBackend:
         return tune.model_picks(op, problem, self.info.target, trials)
 
     def model(self) -> Any:
-        """The cost model the sampler's prior mean comes from (`tune.search`'s `model`)."""
+        """The cost model the sampler's prior mean comes from (`tune.TuneRequest.model`)."""
         from . import costmodel
 
         return costmodel.load()
@@ -191,7 +192,7 @@ class _Problem:
 
 
 class _RunBudget:
-    """`tune.search`'s `run` hook: the run's budget for one problem, shared by all workers."""
+    """`tune.Tuner`'s `run` hook: the run's budget for one problem, shared by all workers."""
 
     def __init__(self, worker: "_Worker", p: _Problem):
         self.w, self.p = worker, p
@@ -267,7 +268,7 @@ class _Worker:
     def valid(self, p: _Problem) -> list[Config]:
         """Problem `p`'s valid configs (those the backend's restrict accepts), made once."""
         if p.valid is None:
-            p.valid = tune._valid_space(self.op, p.problem, self.target, p.restrict)
+            p.valid = tune.valid_space(self.op, p.problem, self.target, p.restrict)
             p.index = frozenset(p.valid)
         return p.valid
 
@@ -278,7 +279,7 @@ class _Worker:
 
     # -- the run record
     def _lock(self, name: str) -> Any:
-        return tune._claim_lock(self.spec.storage, name)
+        return tune.claim_lock(self.spec.storage, name)
 
     def _join(self) -> tuple[str, float | None]:
         name = run_study_name(self.spec, self.target.arch, self.info.name)
@@ -387,7 +388,16 @@ class _Worker:
 
     spec_workers = 1  # set by worker_main: how many workers this machine runs
 
-    # -- the search and the final round
+    # -- the search and the final round: a tune.Tuner; the worker adds the claims and the reports
+    def _request(self, p: _Problem, **fields: Any) -> tune.TuneRequest:
+        """Problem `p`'s request: the run's settings on this worker's device kind and storage."""
+        spec = self.spec
+        # `trials`: the run's budget per problem, which the run hook holds the run to, and which
+        # sizes the seeds as it does for `ckgen tune --trials` (`tune.n_seeds`)
+        return tune.TuneRequest.on(self.op, p.problem, self.info, trials=spec.trials, storage=self.storage,
+                                   seed=spec.seed, sampler=spec.sampler, ahead=spec.ahead, rounds=spec.rounds,
+                                   restrict=p.restrict, **fields)
+
     def _search(self, p: _Problem) -> None:
         study = self._study(p)
         start = study.user_attrs.get(_key(self.run_id, "start"))
@@ -404,15 +414,11 @@ class _Worker:
             run_done, run_best = hook.progress(done, best)
             self.emit("trial", key, run_done, self.spec.trials, run_best, done)
 
-        # `trials`: the run's budget per problem, which `hook` holds the run to, and which sizes the
-        # seeds as it does for `ckgen tune --trials` (`tune._n_seeds`)
-        tune.search(self.op, p.problem, self.target, self.info.num_sms, p.ev, trials=self.spec.trials,
-                    timeout=None if math.isinf(left) else left, storage=self.storage, seed=self.spec.seed,
-                    sampler=self.spec.sampler, ahead=self.spec.ahead, on_trial=on_trial,
-                    restrict=p.restrict, device=self.info.name, valid=self.valid(p),
-                    model_seeds=self.backend.model_seeds(self.op, p.problem, self.spec.trials),
-                    record=self.backend.recorder(self.op, p.problem), run=hook,
-                    model=self.backend.model())
+        request = self._request(p, timeout=None if math.isinf(left) else left,
+                                picks=self.backend.model_seeds(self.op, p.problem, self.spec.trials),
+                                model=self.backend.model())
+        tune.Tuner(request, p.ev, record=self.backend.recorder(self.op, p.problem), on_trial=on_trial, run=hook,
+                   valid=self.valid(p)).search()
 
     def _claim(self, p: _Problem) -> bool:
         with self._lock(p.name):
@@ -426,22 +432,13 @@ class _Worker:
         if not self._claim(p):
             return False
         study, key = self._study(p), p.problem.key()
-        stop = threading.Event()
 
-        def beat() -> None:
-            while not stop.wait(tune.HEARTBEAT_S):
-                try:
-                    study.set_user_attr(_key(self.run_id, "final"), {"worker": self.wid, "beat": time.time()})
-                except Exception:  # noqa: BLE001 - retried at the next beat
-                    pass
+        def beat(_: Any) -> None:  # the claim lapses GRACE_S after the last beat
+            study.set_user_attr(_key(self.run_id, "final"), {"worker": self.wid, "beat": time.time()})
 
-        thread = threading.Thread(target=beat, daemon=True)
-        thread.start()
-        try:
+        with tune.Heartbeat(beat) as claim:
+            claim.add("final", now=False)  # `_claim` just wrote it
             result = self._final_round(p, study)
-        finally:
-            stop.set()
-            thread.join(timeout=5)
         study.set_user_attr(_key(self.run_id, "result"), result)
         self.emit("result", key, result)
         return True
@@ -459,29 +456,23 @@ class _Worker:
                     if t.state == TrialState.FAIL and set(t.params) == set(p.names)]
         workers = sorted({t.user_attrs.get(WORKER_ATTR, "") for t in measured} - {""})
         start = study.user_attrs.get(_key(self.run_id, "start"))
-        valid = self._index(p)
-        default_cfg = op.space.nearest_default(lambda c: c in valid)
         # this worker's search's evaluator if it searched the problem (its inputs, reference and
         # verified kernels: one `ckgen tune` reuses them too), else a new one
         ev, p.ev = p.ev or self.backend.evaluator(op, problem), None
         before = len(ev.failures)  # the search's are in `failures` already (from the study)
         base = {"worker": self.wid, "host": self.host, "trials": len(measured), "failed": len(failures),
                 "workers": workers, "date": _now_iso()}
-        ranked = tune.final_round(ev, study, default_cfg, valid, self.spec.rounds)
+        tuner = tune.Tuner(self._request(p, model=None, picks=()), ev, record=self.backend.recorder(op, problem),
+                           valid=self.valid(p))
+        ranked = tuner.final(study)
         failures += ev.failures[before:]
         if not ranked:
             why = f"no candidate passed verification; failures: {failures[:3]}"
             self.emit("error", key_of(p), why)
             return {**base, "error": why}
-        record = self.backend.recorder(op, problem)
-        if record is not None:
-            for m in ranked:
-                record(m.config, m.timing.median_us, phase="final")
-        final = {m.config: m for m in ranked}
         seconds = time.time() - start if start is not None else 0.0
-        r = tune.TuneResult(op.name, problem, ranked[0], final.get(default_cfg), self.backend.copy(op, problem),
-                            op.min_bytes(problem), trials=len(measured), pruned=0,
-                            failures=failures, seconds=seconds, finalists=ranked)
+        r = dataclasses.replace(tuner.result(ranked, self.backend.copy(op, problem)), trials=len(measured), pruned=0,
+                                failures=failures, seconds=seconds)
         prov = {**self.backend.provenance(r), "host": self.host, "worker": self.wid, "workers": len(workers),
                 "run": self.run_id}
         entry = tune.db_entry(r, self.info, prov)

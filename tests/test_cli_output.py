@@ -419,15 +419,16 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(ckgen.target, "gpu_status", lambda: None)
     monkeypatch.setattr(ckgen.target, "device_info", lambda i=None: info)
 
-    def tune_problem(op, p, info, **kw):
+    def tune_problem(request, info, on_trial=None):
+        op, p = request.op, request.problem
         cfg = op.space.nearest_default(lambda c: bool(op.validate(p, c, info.target)))
         src = render_instance(op, p, cfg, info.target)
         m = Measured(cfg, src.name, src.sha256, Timing(10.0, 9.5, 10.5, 5))
         d = Measured(cfg, src.name, src.sha256, Timing(12.0, 11.0, 13.0, 5))
         return TuneResult(op.name, p, m, d, Timing(8.0, 8.0, 8.0, 5), op.min_bytes(p), 3, 0,
-                          failures=[("threads=64", "wrong answer")], warm=[d] if kw.get("warm") else [])
+                          failures=[("threads=64", "wrong answer")], warm=[d] if request.warm else [])
 
-    def db_entry(r, info):
+    def db_entry(r, info, prov=None):
         return dbmod.Entry(op=r.op, vendor="cuda", arch="sm_90", device=info.name, problem=r.problem.key(),
                            config=r.best.config.items, instance=r.best.instance, source_sha256=r.best.sha256,
                            time_us=r.best.timing.median_us, gbps=r.gbps, default_time_us=12.0)

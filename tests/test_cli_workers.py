@@ -13,7 +13,7 @@ from ckgen import db as dbmod
 from ckgen import target as target_mod
 from ckgen import workers as wk
 from ckgen.replay import ReplayBackend, ReplayEvaluator
-from ckgen.tune import search
+from ckgen.tune import Tuner, TuneRequest
 
 OP = wtimes.OP
 
@@ -76,8 +76,8 @@ def test_db_pull_takes_the_best_verified_trial_of_a_plain_study(inproc, tmp_path
     key = wtimes.KEYS[1]
     problem = OP.problem_from_key(key)
     ev = ReplayEvaluator(lambda c: wtimes.time_of(key, c))
-    search(OP, problem, wtimes.SM90, 132, ev, trials=6, timeout=None, storage=storage, seed=0,
-           restrict=lambda c: wtimes.restrict_to(key, c), device="Some GPU")
+    Tuner(TuneRequest(OP, problem, wtimes.SM90, trials=6, storage=storage, restrict=lambda c: wtimes.restrict_to(key, c),
+                      device="Some GPU", model=None), ev).search()
     out_db = tmp_path / "pulled.yaml"
     code, out, err = inproc("db", "pull", "--storage", storage, "--db", str(out_db), "--format", "json")
     assert code == 0, err

@@ -521,10 +521,10 @@ def test_concurrent_appends_lose_no_record(tmp_path):
 
 
 def test_search_seeds_from_the_model_and_records_every_trial(tmp_path):
-    """`tune.search` (what tune_problem runs on the GPU) with a replayed device: the model's picks
+    """A `tune.Tuner`'s search (what tune_problem runs on the GPU) with a replayed device: the model's picks
     are measured right after the default, and every measured trial is recorded, failures too."""
     from ckgen.replay import ReplayEvaluator
-    from ckgen.tune import search
+    from ckgen.tune import Tuner, TuneRequest
 
     p = GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc")
     valid = [c for c in GN.space.enumerate() if GN.validate(p, c, SM90)]
@@ -532,8 +532,9 @@ def test_search_seeds_from_the_model_and_records_every_trial(tmp_path):
     bad = valid[70]
     ev = ReplayEvaluator(lambda c: None if c == bad else 50.0 + c["items"])
     rec = records.Recorder(GN, p, SM90, "replayed", tmp_path / "records.jsonl")
-    _, default = search(GN, p, SM90, 132, ev, trials=12, timeout=None, storage=None, seed=0,
-                        model_seeds=picks, record=rec)
+    tuner = Tuner(TuneRequest(GN, p, SM90, trials=12, model=None, picks=picks), ev, record=rec)
+    tuner.search()
+    default = tuner.default()
     assert ev.calls[:3] == [default, *picks]
     got = records.read(tmp_path / "records.jsonl")
     assert len(got) == len(ev.calls) == 12

@@ -23,6 +23,7 @@ from ckgen.online import OnlineTuningWarning, Site
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 from ckgen.target import DeviceInfo, NoGPUError
+from ckgen.tune import TuneRequest
 
 OP = get_op("groupnorm_fwd")
 SM90 = Target.named("sm_90")
@@ -403,11 +404,11 @@ def _synthetic(config: Config) -> float:
 
 
 def replay_tuner(op, p, *, device, trials, max_seconds):
-    """tune.search + final round on synthetic timings (ReplayEvaluator) in place of the GPU."""
+    """A tune.Tuner (search + final round) on synthetic timings (ReplayEvaluator) in place of the GPU."""
     from ckgen.replay import ReplayEvaluator
 
-    return online.tune_with(op, p, SM90, ReplayEvaluator(_synthetic), trials=trials, max_seconds=max_seconds,
-                            device="replayed GPU")
+    return online.tune_with(TuneRequest(op, p, SM90, trials=trials, timeout=max_seconds, device="replayed GPU"),
+                            ReplayEvaluator(_synthetic))
 
 
 def test_replayed_search_writes_its_winner_and_the_call_uses_it(d, monkeypatch) -> None:
@@ -432,23 +433,23 @@ def test_replayed_search_writes_its_winner_and_the_call_uses_it(d, monkeypatch) 
 
 
 def test_the_incumbent_is_measured_first_and_a_tune_never_ends_slower_than_it() -> None:
-    """`tune_with(incumbent=...)` (what the call ran untuned: `tune.dispatcher_pick`) measures it
+    """`TuneRequest.incumbent` (what the call ran untuned: `tune.dispatcher_pick`) measures it
     before the default and re-times it in the final round: a config no 4-trial search finds, made
     the fastest, is the winner; an invalid incumbent is ignored."""
     from ckgen.replay import ReplayEvaluator
 
     p = problem(N=8, layout="nhwc")
     valid = sorted((c for c in OP.space.enumerate() if OP.validate(p, c, SM90)), key=Config.key)
-    plain = online.tune_with(OP, p, SM90, ReplayEvaluator(_synthetic), trials=4, max_seconds=None)
+    plain = online.tune_with(TuneRequest(OP, p, SM90, trials=4), ReplayEvaluator(_synthetic))
     found = Config.of(plain.config_dict())
     inc = next(c for c in reversed(valid) if c != found and c != DEFAULT)
     fast = lambda c: 1.0 if c == inc else _synthetic(c)  # noqa: E731
     ev = ReplayEvaluator(fast)
-    e = online.tune_with(OP, p, SM90, ev, trials=4, max_seconds=None, incumbent=inc)
+    e = online.tune_with(TuneRequest(OP, p, SM90, trials=4, incumbent=inc), ev)
     assert ev.calls[0] == inc and Config.of(e.config_dict()) == inc and e.time_us == pytest.approx(1.0)
     bad = DEFAULT.replace(threads=-1)
     ev2 = ReplayEvaluator(_synthetic)
-    e2 = online.tune_with(OP, p, SM90, ev2, trials=4, max_seconds=None, incumbent=bad)
+    e2 = online.tune_with(TuneRequest(OP, p, SM90, trials=4, incumbent=bad), ev2)
     assert bad not in ev2.calls and Config.of(e2.config_dict()) == found
 
 
@@ -456,7 +457,7 @@ def test_a_time_budget_spent_before_any_measurement_is_a_failure(monkeypatch) ->
     from ckgen.replay import ReplayEvaluator
 
     with pytest.raises(RuntimeError, match="ran out before the first config"):
-        online.tune_with(OP, P, SM90, ReplayEvaluator(_synthetic), trials=4, max_seconds=1.0,
+        online.tune_with(TuneRequest(OP, P, SM90, trials=4, timeout=1.0), ReplayEvaluator(_synthetic),
                          started=-1e9)  # started long ago: nothing left
 
 

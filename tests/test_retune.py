@@ -9,7 +9,7 @@ from ckgen import db as dbmod
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
-from ckgen.tune import retune_plan, search
+from ckgen.tune import Tuner, TuneRequest, retune_plan
 from test_tune_search import PROBLEM, Replay, synthetic
 
 OP = get_op("groupnorm_fwd")
@@ -47,7 +47,7 @@ def test_warm_start_is_measured_first():
     t = Target.named("sm_90")
     warm = [c for c in OP.space.enumerate() if OP.validate(PROBLEM, c, t)][123]
     ev = Replay(synthetic)
-    search(OP, PROBLEM, t, 132, ev, trials=6, timeout=None, storage=None, seed=0, warm=(warm,))
+    Tuner(TuneRequest(OP, PROBLEM, t, trials=6, warm=(warm,), model=None), ev).search()
     assert ev.calls[0] == warm
 
 

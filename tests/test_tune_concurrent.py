@@ -14,18 +14,23 @@ import pytest
 from ckgen import tune
 from ckgen.replay import ReplayEvaluator
 from ckgen.sampler import settled
-from ckgen.tune import StudyStorageError, open_storage, search, study_name
+from ckgen.tune import StudyStorageError, Tuner, TuneRequest, open_storage, study_name
 from test_tune_search import OP, PROBLEM, SM90, synthetic, valid
 
 States = optuna.trial.TrialState
 TUNERS, TRIALS = 4, 8
 
 
+def search(ev, **fields):
+    """A Tuner's search of the test problem (no cost model): its study."""
+    return Tuner(TuneRequest(OP, PROBLEM, SM90, model=None, **fields), ev).search()
+
+
 def _tuner(url, seed, barrier, results):
     try:
         barrier.wait(timeout=120)  # all start on the fresh file at once
         ev = ReplayEvaluator(synthetic)
-        search(OP, PROBLEM, SM90, 132, ev, trials=TRIALS, timeout=None, storage=url, seed=seed, ahead=2)
+        search(ev, trials=TRIALS, storage=url, seed=seed, ahead=2)
         results.put((seed, [c.key() for c in ev.calls], None))
     except BaseException as e:  # reported to the test, which fails with it
         results.put((seed, [], f"{e.__class__.__name__}: {e}"))
@@ -60,8 +65,7 @@ def test_a_dead_tuners_running_trial_is_recovered(tmp_path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
     few = sorted(valid(), key=lambda c: c.key())[:6]
     keep = set(few)
-    search(OP, PROBLEM, SM90, 132, ReplayEvaluator(synthetic), trials=1, timeout=None, storage=url, seed=0,
-           restrict=keep.__contains__)
+    search(ReplayEvaluator(synthetic), trials=1, storage=url, seed=0, restrict=keep.__contains__)
     # A tuner that asked for a config, beat once, then died: its trial stays RUNNING.
     storage = open_storage(url)
     study = optuna.load_study(study_name=study_name(OP, PROBLEM, SM90), storage=storage)
@@ -74,8 +78,7 @@ def test_a_dead_tuners_running_trial_is_recovered(tmp_path, monkeypatch):
     storage.record_heartbeat(dead._trial_id)
     time.sleep(4)  # past the grace period (SQLite keeps whole seconds)
     ev = ReplayEvaluator(synthetic)
-    study, _ = search(OP, PROBLEM, SM90, 132, ev, trials=10, timeout=None, storage=url, seed=1,
-                      restrict=keep.__contains__)
+    study = search(ev, trials=10, storage=url, seed=1, restrict=keep.__contains__)
     stale = next(t for t in study.trials if t.number == dead.number)
     assert stale.state == States.FAIL and not settled(stale)
     assert lost in ev.calls  # measured again by the next tuner
@@ -89,8 +92,7 @@ def test_storage_errors_have_a_clear_message(tmp_path):
     bad = tmp_path / "not-a-db.sqlite3"
     bad.write_bytes(b"this is not a SQLite file" * 100)
     with pytest.raises(StudyStorageError, match=r"optuna study storage sqlite:///.*not-a-db"):
-        search(OP, PROBLEM, SM90, 132, ReplayEvaluator(synthetic), trials=2, timeout=None,
-               storage=f"sqlite:///{bad}", seed=0)
+        search(ReplayEvaluator(synthetic), trials=2, storage=f"sqlite:///{bad}", seed=0)
     assert issubclass(StudyStorageError, RuntimeError)  # `ckgen tune` reports it and goes on
 
 

@@ -1,4 +1,4 @@
-"""Search quality on recorded H100 timings: `tune.search` replays every exhaustive sweep of
+"""Search quality on recorded H100 timings: a `tune.Tuner`'s search replays every exhaustive sweep of
 tests/data/sweeps at 20 and 40 trials over 20 seeds each, with the shipped sampler and
 lookahead, seeded as `ckgen tune` seeds it (the cost model's picks and the winners of the nearest
 recorded problems) but from the records without the replayed problem's

@@ -16,7 +16,7 @@ from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 from ckgen.replay import ReplayEvaluator
 from ckgen.sampler import STRATEGIES, make_tpe
-from ckgen.tune import NEIGHBOURS, _Objective, final_round, finalists, model_picks, search
+from ckgen.tune import NEIGHBOURS, Objective, Tuner, TuneRequest, final_round, finalists, model_picks
 
 OP = get_op("groupnorm_fwd")
 SM90 = Target.named("sm_90")
@@ -55,11 +55,11 @@ def synthetic(config: Config) -> float:
     return 100.0 - 2.0 * config["vec_bytes"] + abs(config["threads"] - 256) / 64 + config["items"] / 4
 
 
-def run(ev, trials=20, **kw):
-    kw.setdefault("timeout", None)
-    kw.setdefault("storage", None)
-    kw.setdefault("seed", 0)
-    return search(OP, PROBLEM, SM90, 132, ev, trials=trials, **kw)
+def run(ev, trials=20, on_trial=None, **kw):
+    """A Tuner's search (no cost model): the study and the default config."""
+    kw.setdefault("model", None)
+    tuner = Tuner(TuneRequest(OP, PROBLEM, SM90, trials=trials, **kw), ev, on_trial=on_trial)
+    return tuner.search(), tuner.default()
 
 
 def trial_configs(study, states=(States.COMPLETE,)):
@@ -219,7 +219,9 @@ def test_ckgen_tune_seeds_hold_the_nearest_recorded_winner_of_the_user_records()
     picks = model_picks(OP, p, SM90, 40)
     assert picks[0] == win and len(picks) == NEIGHBOURS == len(set(picks))  # the user's record is the nearest
     ev = ReplayEvaluator(lambda c: 50.0 + c["items"])
-    _, default = search(OP, p, SM90, 132, ev, trials=12, timeout=None, storage=None, seed=0, model_seeds=picks)
+    tuner = Tuner(TuneRequest(OP, p, SM90, trials=12, model=None, picks=picks), ev)
+    tuner.search()
+    default = tuner.default()
     assert ev.calls[:2] == [default, win] or (default == win and ev.calls[0] == win)
     records.append(records.user_records_path(), _recs(OP, p, [(other, 5.0)]))  # the file changed: read again
     assert model_picks(OP, p, SM90, 40)[0] == other
@@ -279,7 +281,7 @@ def test_final_round_retimes_fresh_interleaved_and_picks_by_median():
     script[lucky] = [30.0, 49.0, 60.0, 61.0, 62.0]
     script[steady] = [48.0, 48.5, 47.5, 48.2, 70.0]
     timer = ScriptedTimer(script)
-    obj = _Objective(OP, PROBLEM, SM90, FakeHarness(), timer)
+    obj = Objective(OP, PROBLEM, SM90, FakeHarness(), timer)
     obj.measured = {c: ev.measured[c] for c in fin if c in ev.measured}  # the search's cached results
     ranked = final_round(obj, study, default_cfg, valid(), rounds=5, count=3)
     assert len(timer.log) == 5 * len(fin)  # every finalist timed fresh every round
@@ -307,7 +309,7 @@ def test_start_compiles_in_worker_processes_and_measure_waits_for_it():
     from ckgen.instance import render_instance
 
     configs = sorted(valid(), key=lambda c: c.key())[:3]
-    obj = _Objective(OP, PROBLEM, SM90, FakeHarness(), ScriptedTimer({c: [1.0] for c in configs}))
+    obj = Objective(OP, PROBLEM, SM90, FakeHarness(), ScriptedTimer({c: [1.0] for c in configs}))
     obj.start(configs)  # returns at once; the compiles run in spawned workers
     assert set(obj.pending) == set(configs)
     for c in configs:

@@ -207,12 +207,12 @@ def test_total_timeout_ends_the_run_for_every_worker(tmp_path):
 
 def test_one_worker_searches_as_one_process_and_builds_one_evaluator_per_problem(tmp_path):
     """`--workers 1` is `ckgen tune` in a process of its own: per problem, the same configs in the
-    same order as `tune.search` with the same budget (its seeds sized by the run's --trials, not by
+    same order as a `tune.Tuner`'s search with the same budget (its seeds sized by the run's --trials, not by
     an unbounded count: over each problem's whole valid space, not a subset, so the op's seeds
     count), and one evaluator (on a GPU: one harness, the inputs and the float64 reference) for the
     search and the final round."""
     from ckgen.replay import ReplayEvaluator
-    from ckgen.tune import search
+    from ckgen.tune import Tuner, TuneRequest
 
     trials, keys = 6, wtimes.KEYS[:3]
     logs = tmp_path / "logs"
@@ -227,8 +227,10 @@ def test_one_worker_searches_as_one_process_and_builds_one_evaluator_per_problem
         order[m["problem"]].append(m["config"])
     for key in keys:
         ev = ReplayEvaluator(lambda c, key=key: wtimes.time_of(key, c))
-        search(wtimes.OP, wtimes.OP.problem_from_key(key), wtimes.SM90, 132, ev, trials=trials, timeout=None,
-               storage=f"sqlite:///{tmp_path / 'one.sqlite3'}", seed=spec.seed, device="replayed GPU")
+        request = TuneRequest(wtimes.OP, wtimes.OP.problem_from_key(key), wtimes.SM90, trials=trials,
+                              storage=f"sqlite:///{tmp_path / 'one.sqlite3'}", seed=spec.seed, device="replayed GPU",
+                              model=None)
+        Tuner(request, ev).search()
         assert order[key] == [c.key() for c in ev.calls], key
     made = [line for f in logs.glob("evaluators-*.txt") for line in f.read_text().split()]
     assert sorted(made) == sorted(keys)  # one per problem: the final round reused the search's

@@ -46,7 +46,7 @@ def time_of(key: str, config: Config) -> float | None:
 
 class CompilingBackend:
     """A `ckgen.workers` backend that compiles every proposal through the real compile pool
-    (`tune._Objective.start`: NVRTC offline, in the worker's spawned pool processes) and answers
+    (`tune.Objective.start`: NVRTC offline, in the worker's spawned pool processes) and answers
     `time_of`'s replayed times for the GPU part, so a worker owns a real pool as it does on a GPU
     machine. `delay` seconds per measurement stand in for the GPU's time."""
 
@@ -69,13 +69,13 @@ class CompilingBackend:
 
 
 class CompilingEvaluator:
-    """Compiles in the background through `tune._Objective` (its `start` and the pool it uses),
+    """Compiles in the background through `tune.Objective` (its `start` and the pool it uses),
     waits for each config's cubin before answering the replayed evaluator's time."""
 
     def __init__(self, op, problem, target, replayed):
         from ckgen import tune
 
-        self.objective = tune._Objective(op, problem, target, None, None)  # no harness, no timer: no GPU
+        self.objective = tune.Objective(op, problem, target, None, None)  # no harness, no timer: no GPU
         self.replayed = replayed
 
     def __getattr__(self, name: str):  # measured, failures, pruned, retime
@@ -125,7 +125,7 @@ def compile_in_child(count: int = 3) -> None:
     from ckgen import tune
 
     problem = PROBLEMS[0]
-    objective = tune._Objective(OP, problem, SM90, None, None)
+    objective = tune.Objective(OP, problem, SM90, None, None)
     configs = sorted(subset(KEYS[0]), key=lambda c: c.key())[:count]
     objective.start(configs)
     for c in configs:

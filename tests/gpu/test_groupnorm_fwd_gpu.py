@@ -203,11 +203,11 @@ def test_dispatch_uses_db_entry_after_tune(tmp_path):
     import ckgen
     from ckgen import db as dbmod
     from ckgen.target import device_info
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     p = OP.parse_problem(N=2, C=64, H=16, W=16, G=8, dtype="fp16", layout="nhwc")
-    r = tune_problem(OP, p, info, trials=6, storage=None, seed=1)
+    r = tune_problem(TuneRequest.on(OP, p, info, trials=6, storage=None, seed=1), info)
     from ckgen import settings
 
     dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])

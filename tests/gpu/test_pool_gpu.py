@@ -330,12 +330,12 @@ def test_dispatch_uses_tuned_entry():
     from ckgen import db as dbmod
     from ckgen import settings
     from ckgen.target import device_info
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     op = get_op("maxpool2d_fwd")
     p = op.parse_problem(N=4, C=64, H=28, W=28, dtype="bf16", layout="nhwc", kernel=3, stride=2, padding=1)
-    r = tune_problem(op, p, info, trials=6, storage=None, seed=1)
+    r = tune_problem(TuneRequest.on(op, p, info, trials=6, storage=None, seed=1), info)
     dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
     ckgen.reload_db()
     choice = ckgen.explain("maxpool2d_fwd", N=4, C=64, H=28, W=28, dtype="bf16", layout="nhwc", kernel=3, stride=2,

@@ -1,6 +1,6 @@
 """Selection and launch: a problem -> DB winner or fallback -> compiled kernels -> a launch plan.
 
-Selection never tunes unless asked. On a DB miss it asks the config cost model (ckgen/costmodel.py)
+Selection never tunes unless asked. On a DB miss it asks the config cost model (ckgen/model/)
 for the best of the configs that won anywhere and their neighbours; without a model, it falls
 back to the nearest tuned problem whose config is valid here, else to the space's default (or
 the valid config nearest to it), and says so once per problem through the `ckgen` logger.
@@ -165,7 +165,7 @@ class Dispatcher:
                 stale = "tuned entry is stale (template changed since tuning); "
             else:
                 stale = f"tuned entry unusable ({why}); "
-        from . import costmodel  # the cost model's pick among every config that won and its neighbours
+        from . import model  # the cost model's pick among every config that won and its neighbours
         from .library import spill_free  # NHWC pooling forward: passes over picks whose cubins spill
 
         accept = spill_free(op, problem, target)
@@ -181,7 +181,7 @@ class Dispatcher:
 
             admitted.many = many  # type: ignore[attr-defined]
 
-        picked = costmodel.dispatch_pick(op, problem, target, db.select(op.name),
+        picked = model.dispatch_pick(op, problem, target, db.select(op.name),
                                          lambda c: self._usable(op, problem, c, target, max_vec) is None, accept,
                                          admitted)
         if picked is not None:
@@ -189,7 +189,7 @@ class Dispatcher:
             src = render_instance(op, problem, config, target)
             why = (f"the cost model predicts {pred}, best of {n} candidates" if sibling is None else
                    f"keeping the winner of the tuned sibling {sibling} (the cost model predicts {pred}; "
-                   f"none of its {n} candidates is predicted {100 * costmodel.NEAREST_MARGIN:.0f}% faster)")
+                   f"none of its {n} candidates is predicted {100 * model.NEAREST_MARGIN:.0f}% faster)")
             if accept is not None and accept.rejected:
                 why += f"; passed over {len(accept.rejected)} that spill registers (a stack frame in their cubins)"
             return Choice(op.name, problem.key(), src.name, config, "model", f"{stale}not tuned; {why}"), src

@@ -154,12 +154,12 @@ def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
 
 
 def held_out_model(sweep: Sweep) -> Any:
-    """The cost model a replay seeds from: fit (`costmodel.fit`, as the packaged one) on
+    """The cost model a replay seeds from: fit (`model.fit`, as the packaged one) on
     `held_out_records(sweep)`: leave-one-out, never the packaged model. Fit once per problem
-    (`costmodel.packaged_fit_data()`, which leave-one-out shares) and shared: do not change it."""
-    from . import costmodel
+    (`model.packaged_fit_data()`, which leave-one-out shares) and shared: do not change it."""
+    from . import model as cm
 
-    return costmodel.packaged_fit_data().fit(exclude=(sweep.op.name, sweep.problem.key()))
+    return cm.packaged_fit_data().fit(exclude=(sweep.op.name, sweep.problem.key()))
 
 
 class _Remembered:
@@ -240,9 +240,9 @@ def replay_sweeps(sws: list[Sweep], trials: Sequence[int], seeds: Sequence[int],
     """{(sweep name, trials): [best found / best of each seed's replay]} over every sweep, trial
     count and seed; `jobs` > 1: that many worker processes, a sweep each at a time (its replays
     share what they remember). A held-out model this process has is handed to the worker, and
-    one fit there is kept here (`costmodel.packaged_fit_data()`), so leave-one-out and the
+    one fit there is kept here (`model.packaged_fit_data()`), so leave-one-out and the
     replays fit each problem once in all. The same ratios as one process."""
-    from . import costmodel
+    from . import model as cm
 
     trials, seeds = tuple(trials), tuple(seeds)
     out: dict[tuple[str, int], list[float]] = {}
@@ -254,7 +254,7 @@ def replay_sweeps(sws: list[Sweep], trials: Sequence[int], seeds: Sequence[int],
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    data = costmodel.packaged_fit_data()
+    data = cm.packaged_fit_data()
     keys = [(sw.op.name, sw.problem.key()) for sw in sws]
     known = [sw.memo.get("held_out") or data.fitted(exclude=k) for sw, k in zip(sws, keys)]
     # spawn: a fresh interpreter per worker (forking a process that holds threads, torch's or

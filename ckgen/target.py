@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .types import DEFAULT_SMS, NUM_SMS, Target, coresident_sms  # noqa: F401 (re-exported)
+from .types import Target
 
 
 class NoGPUError(RuntimeError):

@@ -1,6 +1,6 @@
 """One optuna study per problem. The sampler proposes only valid configs no trial holds yet
 (ckgen/sampler.py: a Gaussian process by default), seeded with the default config, the cost
-model's picks (ckgen/costmodel.py) and the op's own heuristic picks. Every measurement is
+model's picks (ckgen/model/) and the op's own heuristic picks. Every measurement is
 appended to the records file beside the user DB (ckgen/records.py): the cost model's training
 data. Proposals are compiled in parallel worker processes a few ahead of the GPU, and each
 result is told as it arrives, so the next proposal comes from the latest model. Wrong or failing
@@ -515,13 +515,13 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
                 records: list[dict[str, Any]] | None = None, neighbours: int = NEIGHBOURS) -> tuple[Config, ...]:
     """The first seeds of a search of `trials` (`TuneRequest.picks`) that `allowed` accepts
     (default: every valid config): the cost model's best candidates, then the distinct winners of
-    the `neighbours` nearest recorded problems (`costmodel.nearest_recorded_winners`; as many as
+    the `neighbours` nearest recorded problems (`model.nearest_recorded_winners`; as many as
     fit in `n_seeds(trials)`), which do not hang on the model (when it is wrong about a problem,
     all its picks tend to be wrong alike).
     `model`: a CostModel to ask instead of the one in use; `records`: the records to take the
     neighbours from instead of the shipped and user ones (`records.all_records`; a replay passes
     both without the replayed problem's records)."""
-    from . import costmodel
+    from . import model as cm
 
     ok = allowed or (lambda c: bool(op.validate(problem, c, target)))
     if records is None:
@@ -529,21 +529,21 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
 
         records = recmod.all_records()
     # the recorded winners carried with their grid join the model's candidates, as the
-    # dispatcher's DB winners do (`costmodel.dispatch_pick`): a winner of batch 16 keeps its
+    # dispatcher's DB winners do (`model.dispatch_pick`): a winner of batch 16 keeps its
     # blocks per SM at batch 1 (without them, a 40-trial tune of the held-out 1x4x1024x1024
     # GroupNorm forward found 27 us where the dispatcher's carried pick ran 19 us)
-    carried = costmodel.carried_winners(op, problem, target, costmodel.recorded_winners(records, op, target.arch))
-    picks = costmodel.top_configs(op, problem, target, max(1, n_seeds(trials) // 2), ok, model=model,
+    carried = cm.carried_winners(op, problem, target, cm.recorded_winners(records, op, target.arch))
+    picks = cm.top_configs(op, problem, target, max(1, n_seeds(trials) // 2), ok, model=model,
                                   extra_winners=carried)
     neighbours = min(neighbours, n_seeds(trials) - len(picks))  # `Tuner.search` seeds no more
     if neighbours > 0:
         fresh = lambda c: c not in picks and bool(ok(c))  # noqa: E731
-        near = costmodel.nearest_recorded_winners(records, op, problem, target.arch, fresh, neighbours)
+        near = cm.nearest_recorded_winners(records, op, problem, target.arch, fresh, neighbours)
         picks += [c for c, _ in near]
     return tuple(picks)
 
 
-# The cost model a request names by default: the one in use (`costmodel.load()`).
+# The cost model a request names by default: the one in use (`model.load()`).
 IN_USE = "in use"
 
 
@@ -571,7 +571,7 @@ class TuneRequest:
     # final round, so a tune never ends on a config slower than it; ignored when not valid
     incumbent: Config | None = None
     restrict: Callable[[Config], bool] | None = None  # search only the valid configs it accepts
-    # the cost model: its prediction is the sampler's prior mean; IN_USE (`costmodel.load()`), a
+    # the cost model: its prediction is the sampler's prior mean; IN_USE (`model.load()`), a
     # CostModel, or None (a zero prior mean, and no model picks)
     model: Any = IN_USE
     # the first seeds after the default; None: the model's (`model_picks`; none without a model)
@@ -620,9 +620,9 @@ class Tuner:
         if self._model is self:
             m = self.req.model
             if isinstance(m, str) and m == IN_USE:
-                from . import costmodel
+                from . import model as cm
 
-                m = costmodel.load()
+                m = cm.load()
             self._model = m
         return self._model
 

@@ -136,9 +136,9 @@ class GpuBackend:
 
     def model(self) -> Any:
         """The cost model the sampler's prior mean comes from (`tune.TuneRequest.model`)."""
-        from . import costmodel
+        from . import model as cm
 
-        return costmodel.load()
+        return cm.load()
 
     def copy(self, op: OpSpec, problem: Problem) -> Timing:
         from .bench import Timer

@@ -59,16 +59,10 @@ def results():
 
 
 def _patch_where_tune_looks(monkeypatch, name, value):
-    """`name` replaced in ckgen.model and in the module ckgen/tune.py looks it up in (the
-    re-exporting ckgen/costmodel.py, while that shim lasts)."""
-    import importlib
-    import importlib.util
-
+    """`name` replaced in ckgen.model, where ckgen/tune.py looks it up."""
     from ckgen import model
 
     monkeypatch.setattr(model, name, value)
-    if importlib.util.find_spec("ckgen.costmodel") is not None:
-        monkeypatch.setattr(importlib.import_module("ckgen.costmodel"), name, value)
 
 
 def test_replay_seeds_from_the_nearest_held_out_problems_never_the_sweeps_own(monkeypatch):

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..ops.spec import Config, OpSpec, Problem, Target
-from ..target import DEFAULT_SMS, NUM_SMS  # SMs per arch where no device is at hand
+from ..types import DEFAULT_SMS, NUM_SMS  # SMs per arch where no device is at hand
 from .lattice import _lattice
 
 KEEP_WS_BYTES = 4 << 20  # dispatch keeps a workspace up to this size per stream (no per-call alloc)

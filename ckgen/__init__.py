@@ -10,11 +10,11 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .api.groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
 from .api.pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
-from .dispatch import explain
+from .api import explain
 from .online import tuning
 from .tensors import bfloat16
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from rich.console import Console
 
-from . import __version__
+from ._version import __version__
 from .output import FORMATS, Col, Sheet, emit, resolve
 
 console = Console(soft_wrap=True, highlight=False)

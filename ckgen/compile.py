@@ -117,6 +117,25 @@ def frame_bytes(cubin: bytes) -> int | None:
     return None if res is None else res["stack_bytes"]
 
 
+def nvrtc_missing() -> str | None:
+    """None when NVIDIA targets can be built offline (NVRTC through CuPy), else what is missing."""
+    from .target import CUPY_HINT
+
+    try:
+        from cupy.cuda import nvrtc
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "cupy":
+            return f"CuPy is not installed; {CUPY_HINT}"
+        return f"CuPy's NVRTC binding failed to import ({e.__class__.__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - a CUDA library that fails to load
+        return f"CuPy's NVRTC binding failed to import ({e.__class__.__name__}: {e})"
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # noqa: BLE001 - libnvrtc missing
+        return f"libnvrtc cannot be loaded ({e.__class__.__name__}: {e}); {CUPY_HINT} installs the NVRTC wheel"
+    return None
+
+
 def cubin_path(src: KernelSource, arch: str) -> Path:
     return settings.kernel_cache_dir() / arch / f"{src.name}-{src.sha256[:12]}.cubin"
 

@@ -166,7 +166,7 @@ class Dispatcher:
             else:
                 stale = f"tuned entry unusable ({why}); "
         from . import model  # the cost model's pick among every config that won and its neighbours
-        from .library import spill_free  # NHWC pooling forward: passes over picks whose cubins spill
+        from .spill import spill_free  # NHWC pooling forward: passes over picks whose cubins spill
 
         accept = spill_free(op, problem, target)
 
@@ -527,29 +527,3 @@ def remember(call_key: tuple | None, plan: Plan) -> None:
     if len(calls) >= 4096:
         calls.clear()
     calls[call_key] = plan
-
-
-def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
-    """Which instance would this call use, and why? With the call's arguments, e.g.
-    `explain("groupnorm_fwd", x, gamma, beta, 32)`, `explain("maxpool2d_fwd", x, 3, 2, 1)`, or
-    with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
-    layout="nhwc", arch="sm_90")`. Launches nothing (the plan it builds serves the next call)."""
-    from .ops import get_op
-
-    op = get_op(op_name)
-    if args:
-        from .api import planners
-
-        return planners[op_name](*args, **kwargs)[0].choice
-    arch = kwargs.pop("arch", None)
-    if arch is None:
-        from .target import NoGPUError, current_target
-
-        try:
-            target = current_target()
-        except NoGPUError as e:  # offline, a problem is explained for a named arch
-            raise NoGPUError(f'{e}; to explain a problem without a GPU, pass arch= (e.g. arch="sm_90")') from None
-    else:
-        target = Target.named(arch)
-    problem = op.parse_problem(**kwargs)
-    return _dispatcher.choose(op, problem, target)[0]

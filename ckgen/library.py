@@ -21,6 +21,7 @@ import yaml
 from . import db as dbmod
 from . import settings
 from .codegen import KernelSource
+from .compile import nvrtc_missing
 from .instance import render_instance
 from .ops import all_ops, get_op
 from .ops.spec import OpSpec
@@ -237,25 +238,6 @@ def hip_toolchain_missing() -> str | None:
     return "; ".join(missing) or None
 
 
-def nvrtc_missing() -> str | None:
-    """None when NVIDIA targets can be built offline (NVRTC through CuPy), else what is missing."""
-    from .target import CUPY_HINT
-
-    try:
-        from cupy.cuda import nvrtc
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] == "cupy":
-            return f"CuPy is not installed; {CUPY_HINT}"
-        return f"CuPy's NVRTC binding failed to import ({e.__class__.__name__}: {e})"
-    except Exception as e:  # noqa: BLE001 - a CUDA library that fails to load
-        return f"CuPy's NVRTC binding failed to import ({e.__class__.__name__}: {e})"
-    try:
-        nvrtc.getVersion()
-    except Exception as e:  # noqa: BLE001 - libnvrtc missing
-        return f"libnvrtc cannot be loaded ({e.__class__.__name__}: {e}); {CUPY_HINT} installs the NVRTC wheel"
-    return None
-
-
 def toolchain_missing(vendor: str) -> str | None:
     """None when targets of `vendor` ("cuda" | "hip") can be built here, else why not."""
     return nvrtc_missing() if vendor == "cuda" else hip_toolchain_missing()
@@ -321,55 +303,6 @@ def build(instances: list[Instance], jobs: int | None = None, hip_pch: bool = Tr
             return b
 
         return list(ex.map(one, instances))
-
-
-_SPILLS: dict[str, int | None] = {}
-
-
-def spill_bytes(op: OpSpec, p: Any, config: Config, target: Target) -> int | None:
-    """Bytes per thread the instance's kernels spill: the stack frame of the cubin that the
-    launch would load (`compile.cubin_bytes`: NVRTC, no GPU needed, into the kernel cache, so
-    an accepted pick is not compiled again; a cache that cannot take it is warned about once and
-    the check goes on in memory), read from the cubin itself (`compile.frame_bytes`);
-    remembered per source. None where that cannot be told (a HIP target, no NVRTC, a failed
-    build). Not from ptxas's -v log: a second process compiling the same
-    source got no ptxas report (a compile cache), and an empty report read as "no spill"."""
-    if target.vendor != "cuda":
-        return None
-    src = render_instance(op, p, config, target)
-    if src.sha256 not in _SPILLS:
-        if nvrtc_missing():
-            return None
-        from .compile import CompileError, cubin_bytes, frame_bytes
-
-        try:
-            _SPILLS[src.sha256] = frame_bytes(cubin_bytes(src, target))
-        except CompileError:
-            _SPILLS[src.sha256] = None
-    return _SPILLS[src.sha256]
-
-
-class SpillFree:
-    """The test an untuned pick must pass: compiled, it spills no registers (a config that cannot
-    be checked passes). `rejected`: the configs it turned down, in the order asked."""
-
-    def __init__(self, op: OpSpec, p: Any, target: Target) -> None:
-        self.op, self.p, self.target = op, p, target
-        self.rejected: list[Config] = []
-
-    def __call__(self, config: Config) -> bool:
-        if spill_bytes(self.op, self.p, config, self.target):
-            self.rejected.append(config)
-            return False
-        return True
-
-
-def spill_free(op: OpSpec, p: Any, target: Target) -> SpillFree | None:
-    """For a problem whose register estimate `validate` cannot trust (`op.spill_prone`), a
-    `SpillFree` test; None for every other problem (no compile)."""
-    if target.vendor != "cuda" or not op.spill_prone(p):
-        return None
-    return SpillFree(op, p, target)
 
 
 def write_reports(built: list[Built], root: Path) -> None:

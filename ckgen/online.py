@@ -316,7 +316,7 @@ def tune_with(request: Any, ev: Any, *, record: Callable[..., None] | None = Non
     and return the winner's DB entry (provenance `tuned_by: online`, plus `provenance`)."""
     import optuna
 
-    from . import __version__
+    from ._version import __version__
     from .instance import render_instance
     from .target import DeviceInfo
     from .tune import Tuner, db_entry

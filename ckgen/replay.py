@@ -335,7 +335,7 @@ class ReplayBackend:
     def provenance(self, result: Any) -> dict[str, Any]:
         import datetime as dt
 
-        from . import __version__
+        from ._version import __version__
 
         return {"ckgen": __version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "trials": result.trials, "tuning_seconds": round(result.seconds, 1), "source": "replay"}

@@ -916,7 +916,7 @@ def save_result(result: TuneResult, info: DeviceInfo, db_path: Any, prov: dict[s
 def provenance(result: TuneResult) -> dict[str, Any]:
     import cupy
 
-    from . import __version__
+    from ._version import __version__
 
     rt = cupy.cuda.runtime
     return {

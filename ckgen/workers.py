@@ -806,7 +806,7 @@ def _pull_study(storage: Any, name: str, digest: str, skipped: list[str]) -> Any
     """The DB entry of one study for `pull_entries`, or None with the reason in `skipped`."""
     from optuna.trial import TrialState
 
-    from . import __version__
+    from ._version import __version__
     from .bench import gbps
     from .db import DBError, Entry
     from .instance import render_instance

@@ -13,7 +13,7 @@ import pytest
 
 import ckgen
 from ckgen import compile as ckcompile
-from ckgen import library
+from ckgen import spill
 from ckgen.codegen import KernelSource
 from ckgen.ops.spec import Target
 
@@ -149,8 +149,8 @@ def test_untuned_nhwc_pool_forward_dispatch_survives_an_unusable_cache(nvrtc, tm
     """The offline spill check of an untuned NHWC pooling forward compiles its pick into the kernel
     cache; an unusable cache crashed `ckgen.explain` (and the call) there. It checks in memory."""
     monkeypatch.setenv("CKGEN_KERNEL_CACHE", str(_unusable(kind, tmp_path)))
-    monkeypatch.setattr(library, "nvrtc_missing", lambda: None)
-    monkeypatch.setattr(library, "_SPILLS", {})
+    monkeypatch.setattr(ckcompile, "nvrtc_missing", lambda: None)
+    monkeypatch.setattr(spill, "_SPILLS", {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         choice = ckgen.explain("maxpool2d_fwd", N=2, C=40, H=37, W=29, kernel=3, stride=2, padding=1,

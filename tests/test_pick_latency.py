@@ -193,10 +193,10 @@ def shipped_db(monkeypatch):
     check: an NHWC pooling forward's pick is compiled (NVRTC) where it can be, a compile the
     call needs anyway and no part of the pick's own cost."""
     from ckgen import db as dbmod
-    from ckgen import library
+    from ckgen import compile as ckcompile
 
     monkeypatch.delenv("CKGEN_SHIPPED_DB", raising=False)
-    monkeypatch.setattr(library, "nvrtc_missing", lambda: "not in this test")
+    monkeypatch.setattr(ckcompile, "nvrtc_missing", lambda: "not in this test")
     assert dbmod.shipped_db_path().is_file()
     yield
 
@@ -297,13 +297,14 @@ try:
 except Exception:
     pass
 import jinja2
-from ckgen import db, library
+from ckgen import compile as ckcompile
+from ckgen import db
 from ckgen.model import store
 from ckgen.dispatch import Dispatcher
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
 
-library.nvrtc_missing = lambda: "not in this test"
+ckcompile.nvrtc_missing = lambda: "not in this test"
 made = {"templates compiled": 0, "DB files parsed": 0, "model files parsed": 0}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ckgen import library, records
+from ckgen import library, records, spill
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 
@@ -110,7 +110,7 @@ def test_estimate_rejects_most_spilling_instances_and_no_recorded_winner():
     439 spilling instances of 3,442; this one admits at most 35% of them (144 of 448 with the
     Inception average pools' records, 153 of 457 with the DenseNet ones), rejects at most 5% of
     the ones that fit, and keeps every problem's fastest recorded config valid. What it admits,
-    the dispatcher's spill check (`library.spill_free`: the cubin's stack frame) passes over for
+    the dispatcher's spill check (`spill.spill_free`: the cubin's stack frame) passes over for
     untuned NHWC pooling-forward picks."""
     rows = _study()
     spilling = [r for r in rows if r["spill"] > 0]
@@ -207,11 +207,11 @@ def test_dispatcher_skips_untuned_picks_that_spill(model_on):
 
 
 def test_spill_check_is_offline_and_only_where_asked():
-    """`library.spill_free` compiles only for a `spill_prone` problem on a CUDA target."""
+    """`spill.spill_free` compiles only for a `spill_prone` problem on a CUDA target."""
     op = get_op("maxpool2d_fwd")
-    assert library.spill_free(op, op.parse_problem(**{**HELDOUT_IDX, "layout": "nchw"}), SM90) is None
-    assert library.spill_free(op, op.parse_problem(**HELDOUT_IDX), Target.named("gfx942")) is None
-    assert library.spill_free(get_op("maxpool2d_bwd"), get_op("maxpool2d_bwd").parse_problem(
+    assert spill.spill_free(op, op.parse_problem(**{**HELDOUT_IDX, "layout": "nchw"}), SM90) is None
+    assert spill.spill_free(op, op.parse_problem(**HELDOUT_IDX), Target.named("gfx942")) is None
+    assert spill.spill_free(get_op("maxpool2d_bwd"), get_op("maxpool2d_bwd").parse_problem(
         N=2, C=64, H=13, W=13, kernel=3, stride=1, padding=1, dtype="bf16", layout="nhwc"), SM90) is None
 
 

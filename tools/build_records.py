@@ -1,4 +1,4 @@
-"""Rebuild ckgen/data/records.jsonl.gz, the tuning records the package ships (ckgen/records.py,
+"""Rebuild ckgen/data/records.jsonl.gz, the tuning records the package ships (ckgen/shipped.py,
 `build_shipped`), from the repo's sweeps, shipped DB and suite benchmarks; then refit the cost
 model on them (ckgen/data/costmodel.json):
 
@@ -22,9 +22,9 @@ def main() -> int:
     import gzip
     import json
 
-    from ckgen import model, records
+    from ckgen import model, records, shipped
 
-    recs = records.build_shipped(ROOT)
+    recs = shipped.build_shipped(ROOT)
     rec_path = ROOT / "ckgen" / "data" / "records.jsonl.gz"
     fitted = model.fit(recs)
     model_path = ROOT / "ckgen" / "data" / "costmodel.json"

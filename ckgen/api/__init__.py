@@ -8,11 +8,36 @@ launch plan (`dispatch.Plan`) and runs it:
   __cuda_array_interface__): the full checks (ValueError/TypeError naming the argument, before
   anything is launched), then the plan of the problem (built once), remembered for the signature.
 
-`planners[op](*args, **kwargs) -> (plan, input pointers)` is what `ckgen.explain` uses."""
+`planners[op](*args, **kwargs) -> (plan, input pointers)` is what `explain` uses."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..dispatch import Choice, dispatcher
+from ..ops import get_op
+from ..types import Target
 from . import groupnorm, pooling
 
 planners: dict[str, Callable[..., tuple[Any, tuple[int, ...]]]] = {**groupnorm.planners, **pooling.planners}
+
+
+def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
+    """Which instance would this call use, and why? With the call's arguments, e.g.
+    `explain("groupnorm_fwd", x, gamma, beta, 32)`, `explain("maxpool2d_fwd", x, 3, 2, 1)`, or
+    with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
+    layout="nhwc", arch="sm_90")`. Launches nothing (the plan it builds serves the next call)."""
+    op = get_op(op_name)
+    if args:
+        return planners[op_name](*args, **kwargs)[0].choice
+    arch = kwargs.pop("arch", None)
+    if arch is None:
+        from ..target import NoGPUError, current_target
+
+        try:
+            target = current_target()
+        except NoGPUError as e:  # offline, a problem is explained for a named arch
+            raise NoGPUError(f'{e}; to explain a problem without a GPU, pass arch= (e.g. arch="sm_90")') from None
+    else:
+        target = Target.named(arch)
+    problem = op.parse_problem(**kwargs)
+    return dispatcher().choose(op, problem, target)[0]

@@ -204,7 +204,7 @@ def dispatch_pick(op: OpSpec, p: Problem, target: Target, entries: Sequence[Any]
     the recorded ones), or a tuned sibling's winner it does not beat by NEAREST_MARGIN; its
     prediction, the candidate count and the sibling's problem key (None: the model's own pick);
     None without a model. `accept`: the compiled check an untuned pick must pass
-    (`library.spill_free`), asked of the model's best few and of the sibling's winner.
+    (`spill.spill_free`), asked of the model's best few and of the sibling's winner.
     `admitted`: `usable` for configs of the space that `op.class_check` admits (`candidate_tiers`)."""
     model = load()
     if model is None:

@@ -31,7 +31,7 @@ from .features import BW_BYTES_PER_US, TERM_NAMES, _geometry_arrays, _phi_matrix
 # chosen on the exhaustive sweeps held out (bench/costmodel_loo.py --margins): 0.1-0.2 never
 # made a sweep's pick worse, 0.05 or none did (NHWC 1.30x -> 1.70x); 0.15 the middle.
 WIDE_MARGIN = 0.15
-# `choose`'s compiled check (the dispatcher's spill test, `library.spill_free`) looks at most this
+# `choose`'s compiled check (the dispatcher's spill test, `spill.spill_free`) looks at most this
 # far down the ranking; each look is one NVRTC compile (~0.3 s) on the first call of a problem.
 ACCEPT_TRIES = 8
 

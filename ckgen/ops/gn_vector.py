@@ -9,13 +9,15 @@ arrays are int64 (ints) or unicode (strings); the problem's sizes are bounded by
 `fits_int64` so that no product overflows."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
 from ..types import DTYPES, INT32_MAX, Target, coresident_sms
-from .groupnorm import MAX_SERIAL_ADDS, GroupNormProblem
-from .groupnorm_bwd import CLUSTER_MAX, DGB_LAST_MAX, MAX_TILE_CHANNELS, NCHW_STEP_VECTORS, STAGED
+from .gn_limits import CLUSTER_MAX, DGB_LAST_MAX, MAX_SERIAL_ADDS, MAX_TILE_CHANNELS, NCHW_STEP_VECTORS, STAGED
+
+if TYPE_CHECKING:
+    from .groupnorm import GroupNormProblem
 
 Cols = Mapping[str, np.ndarray]
 

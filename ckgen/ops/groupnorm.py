@@ -12,16 +12,11 @@ from ..space import load_space
 from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, coresident_sms,
                      short_repr)
 from .numeric import from_storage, round_to, to_storage
+from . import gn_vector
+from .gn_limits import MAX_SERIAL_ADDS
 from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, layered_validate, problem_of
 
 ACTIVATIONS = ("none", "swish")
-# slice_in=reload sums each thread's values into fp32 accumulators one after another (NHWC: one
-# per channel, one add per pixel row it walks; NCHW: one per thread). Past a few thousand adds
-# the rounding of that running sum shows in the mean: on the recorded sweep of 1x256x256x256 bf16
-# NHWC the configs with 32,768 and 65,536 serial adds gave a mean 1.18x and 2.27x over its
-# tolerance (1e-4 + 1e-5|mean|); the float32 emulation (tests/test_groupnorm_accuracy.py) gives
-# 0.67x at 16,384 and 0.23x at 8,192. So no config makes a thread add more than this.
-MAX_SERIAL_ADDS = 8192
 
 
 def nhwc_tile(ch: int, vec: int, threads: int, split: int, hw: int, what: str,
@@ -285,15 +280,11 @@ class GroupNormFwd(GroupNormOp):
     def shape_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
         """`shape_check` on arrays of knob values `class_check` admits (ckgen/ops/gn_vector.py);
         None for a problem too large for int64 products."""
-        from . import gn_vector
-
         return gn_vector.fwd_shape_check_many(p, k, target) if gn_vector.fits_int64(p) else None
 
     def geometry_columns(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target,
                          narrow_rows: bool = True) -> dict[str, np.ndarray] | None:
         """The cost model's per-config integers on arrays of knob values (ckgen/ops/gn_vector.py)."""
-        from . import gn_vector
-
         return gn_vector.fwd_geometry_columns(self, p, k, target, narrow_rows) if gn_vector.fits_int64(p) else None
 
     def shape_check(self, p: GroupNormProblem, config: Config, target: Target) -> Support:

@@ -7,20 +7,15 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
+from . import gn_vector
+from .gn_limits import CLUSTER_MAX, DGB_LAST_MAX, MAX_TILE_CHANNELS, NCHW_STEP_VECTORS, STAGED
 from .groupnorm import (GroupNormOp, GroupNormProblem, gn_instance_name, gn_problem_class, gn_run_bytes,
                         grid_barrier_fits, groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile)
 from .numeric import from_storage, round_to, to_storage
 from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
 _INT32_MAX = 2**31 - 1
-MAX_TILE_CHANNELS = 2048  # per-channel sums of a tile live in shared memory (2 x 4 bytes each)
-NCHW_STEP_VECTORS = 4096  # NCHW single_pass: per-vector partials in shared memory (2 x 16 KB)
 DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (see the template)
-# single_pass/fused: the last block of a channel tile folds dgamma/dbeta itself when the tile's
-# fold, N*split rows x its channels, is at most this; past it one block's fold costs more than
-# the _dgb kernel's launch (bench/results/logs/gnbwd-dgb-last-*/)
-DGB_LAST_MAX = 512
-CLUSTER_MAX = 8  # single_pass/fused: split <= 8 is a portable cluster; past it, a grid-wide barrier
 
 
 def grid_merged(scheme: str, split: int) -> bool:
@@ -36,9 +31,6 @@ def pow2_at_least(n: int) -> int:
 
 def _regs_per_thread(config: Config) -> int:
     return min(255, 65536 // (config["threads"] * config["min_blocks"]))
-
-
-STAGED = ("multi_stage", "pipelined")  # the schemes of a sums kernel, then a dx kernel
 
 
 def bwd_regs_needed(p: GroupNormProblem, config: Config, scheme: str) -> int:
@@ -194,15 +186,11 @@ class _GroupNormBwd(GroupNormOp):
     def shape_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
         """`shape_check` on arrays of knob values `class_check` admits (ckgen/ops/gn_vector.py);
         None for a problem too large for int64 products."""
-        from . import gn_vector
-
         return gn_vector.bwd_shape_check_many(self, p, k, target) if gn_vector.fits_int64(p) else None
 
     def geometry_columns(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target,
                          narrow_rows: bool = True) -> dict[str, np.ndarray] | None:
         """The cost model's per-config integers on arrays of knob values (ckgen/ops/gn_vector.py)."""
-        from . import gn_vector
-
         return gn_vector.bwd_geometry_columns(self, p, k, target, narrow_rows) if gn_vector.fits_int64(p) else None
 
     def shape_check(self, p: GroupNormProblem, config: Config, target: Target) -> Support:

@@ -194,7 +194,7 @@ class OpSpec(abc.ABC):
     def spill_prone(self, problem: Any) -> bool:
         """True where `validate`'s register estimate is known to admit configs that spill: the
         dispatcher then compiles an untuned pick (offline, NVRTC) and takes the next candidate
-        while it spills (`library.spill_free`)."""
+        while it spills (`spill.spill_free`)."""
         return False
 
     @abc.abstractmethod

@@ -1,7 +1,7 @@
 """Why did the device's prev-model held-out run take a spilling pick? Print the ranking and the check."""
 import os
 import ckgen
-from ckgen import library, model as cm
+from ckgen import library, spill, model as cm
 from ckgen.dispatch import dispatcher
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
@@ -17,8 +17,8 @@ print("db entries for op", len(list(db.select(op.name))), "paths", getattr(db, "
 usable = lambda c: bool(op.validate(p, c, t))
 cands, near = cm.candidate_tiers(op, p, t, m.winner_configs(op), usable)
 for pred, c in m.select(op, p, cands, near, t)[:10]:
-    print(op.instance_name(p, c), round(pred.total_us, 2), "spill", library.spill_bytes(op, p, c, t))
-acc = library.spill_free(op, p, t)
+    print(op.instance_name(p, c), round(pred.total_us, 2), "spill", spill.spill_bytes(op, p, c, t))
+acc = spill.spill_free(op, p, t)
 print("dispatch_pick", cm.dispatch_pick(op, p, t, db.select(op.name), usable, acc), "rejected", acc and acc.rejected)
 print(ckgen.explain("maxpool2d_fwd", arch="sm_90", N=32, C=512, H=13, W=13, kernel=(3, 3), stride=(1, 1), padding=(1, 1),
                     dilation=(1, 1), ceil_mode=False, dtype="bf16", layout="nhwc", return_indices=True))

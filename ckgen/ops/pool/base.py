@@ -2,7 +2,6 @@
 validation, launch geometry, naming, packing. The backward ops' common part is `bwd._PoolBwd`."""
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, ClassVar, Mapping
 
@@ -12,7 +11,7 @@ from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import to_storage
 from ..spec import OpSpec, full_shapes, layered_validate, problem_of
-from .problem import PoolProblem, covering, covering_span
+from .problem import PoolProblem, cover_extent, covering
 from .vector import VectorChecks
 
 _U32 = 2**32
@@ -140,7 +139,7 @@ class _PoolOp(VectorChecks, OpSpec):
         """`_cover_span` of `_cover(p, config, axis)` without listing the covering outputs: per
         tile position O(1) (`covering_span`), not O(kernel size) (a tall window made every
         validate call walk it)."""
-        return _cover_extent(p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis],
+        return cover_extent(p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis],
                              self.tile(config)[axis])
 
     def _cover(self, p: PoolProblem, config: Config, axis: int) -> list[list[int]]:
@@ -414,17 +413,6 @@ class _PoolOp(VectorChecks, OpSpec):
 
     def min_bytes(self, p: PoolProblem) -> int:
         raise NotImplementedError
-
-
-@functools.lru_cache(maxsize=4096)
-def _cover_extent(k: int, s: int, pad: int, d: int, tile: int) -> tuple[int, int]:
-    """(first offset, count) of the outputs covering a tile of `tile` positions along an axis
-    (`_PoolOp._cover_extent`); a pure function of the window, remembered."""
-    spans = [sp for t in range(tile) if (sp := covering_span(k, s, pad, d, t)) is not None]
-    if not spans:
-        return 0, 1
-    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
-    return lo, hi - lo + 1
 
 
 def _cover_span(cover: list[list[int]]) -> tuple[int, int]:

@@ -408,3 +408,14 @@ def smooth_random(p: PoolProblem, rng: np.random.Generator, shape: tuple[int, ..
     x = mu + rng.standard_normal(shape)
     x[x == 0] = 0.5
     return round_to(x, p.dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def cover_extent(k: int, s: int, pad: int, d: int, tile: int) -> tuple[int, int]:
+    """(first offset, count) of the outputs covering a tile of `tile` positions along an axis
+    (`_PoolOp._cover_extent`); a pure function of the window, remembered."""
+    spans = [sp for t in range(tile) if (sp := covering_span(k, s, pad, d, t)) is not None]
+    if not spans:
+        return 0, 1
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    return lo, hi - lo + 1

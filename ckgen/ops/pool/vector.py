@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from ...types import DTYPES, Target
+from .problem import cover_extent
 
 if TYPE_CHECKING:
     from .problem import PoolProblem
@@ -69,10 +70,8 @@ class VectorChecks:
 
     def _cover_many(self, p: PoolProblem, tile: np.ndarray, axis: int, part: int) -> np.ndarray:
         """`_cover_extent(p, config, axis)[part]` per tile size (computed once per distinct size)."""
-        from .base import _cover_extent
-
         sizes, inv = np.unique(tile, return_inverse=True)
-        ext = [_cover_extent(p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis], int(t))[part]
+        ext = [cover_extent(p.kernel[axis], p.stride[axis], p.padding[axis], p.dilation[axis], int(t))[part]
                for t in sizes.tolist()]
         return np.array(ext, dtype=np.int64)[inv.reshape(-1)]
 

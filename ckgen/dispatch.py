@@ -104,10 +104,10 @@ class Dispatcher:
         hit = self._choices.get(key)
         new = hit is None
         if new:
-            hit = self._select(op, problem, target, max_vec_bytes)
+            hit = self.select(op, problem, target, max_vec_bytes)
         if site is not None and hit[0].source != "tuned":
             if _hook.on_untuned(op, problem, target, site):  # a winner is in the DB now (reloaded)
-                hit, new = self._select(op, problem, target, max_vec_bytes), True
+                hit, new = self.select(op, problem, target, max_vec_bytes), True
             if hit[0].source != "tuned" and not _hook.attempted(*key[:3]):
                 with self._lock:
                     self._untuned.add(key[:3])
@@ -149,7 +149,9 @@ class Dispatcher:
         return (f"the most common reasons, over its {total} configs: "
                 + "; ".join(f"{why} ({n} configs{' like it' if alike else ''})" for n, why, alike in ranked))
 
-    def _select(self, op: OpSpec, problem: Problem, target: Target, max_vec: int) -> tuple[Choice, KernelSource]:
+    def select(self, op: OpSpec, problem: Problem, target: Target, max_vec: int) -> tuple[Choice, KernelSource]:
+        """The choice for `problem` as the DB and the cost model give it, uncached: no untuned-choice
+        message, no online tuning (`choose` adds those; the tuner asks this for its incumbent)."""
         db = self.database()
         entry = db.lookup(op.name, target.arch, problem.key())
         stale = ""

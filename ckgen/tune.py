@@ -866,14 +866,14 @@ def final_round(ev: Any, study: Any, default_cfg: Config, valid: set[Config], ro
 def dispatcher_pick(op: OpSpec, problem: Problem, target: Target) -> Config | None:
     """The config the process's dispatcher (`dispatch.dispatcher()`, its DB view reloaded when a
     DB changes) runs for `problem`: the tuned entry of the DB in use, else its untuned pick
-    (`Dispatcher._select`: no cached choice, no untuned-choice message, no online tuning); None
+    (`Dispatcher.select`: no cached choice, no untuned-choice message, no online tuning); None
     when it cannot say (the reason is logged). `tune_problem` and online tuning measure it first
     and re-time it in the final round, so a tune never ends on a config slower, in that run, than
     what the call ran before."""
     from .dispatch import dispatcher
 
     try:
-        return dispatcher()._select(op, problem, target, 16)[0].config
+        return dispatcher().select(op, problem, target, 16)[0].config
     except Exception as e:  # noqa: BLE001 - optional: tuning goes on without it
         import logging
 

@@ -33,12 +33,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 class _BenchOps(Sequence):
     """The names of the registered ops `ckgen bench` times (those with `bench_callables`), in
-    name order; read at each use, so an op registered later is in it."""
+    registration order; read at each use, so an op registered later is in it."""
 
     def _names(self) -> tuple[str, ...]:
-        from .ops import all_ops
+        from .ops import registered_ops
 
-        return tuple(o.name for o in all_ops() if o.bench_ready)
+        return tuple(o.name for o in registered_ops() if o.bench_ready)
 
     def __getitem__(self, i: Any) -> Any:
         return self._names()[i]

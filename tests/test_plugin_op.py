@@ -134,6 +134,16 @@ def test_tune_list_and_shape_through_the_cli(op, inproc) -> None:
     assert code == 2 and "--kernel: chscale takes no --kernel" in err
 
 
+def test_explain_and_generate_through_the_cli(op, inproc, tmp_path) -> None:
+    code, out, err = inproc("explain", "chscale", "--shape", "2,64,8,8", "--arch", "sm_90")
+    assert code == 0 and "chscale_bf16_nchw_t256_v16" in out and "default" in out, (out, err)
+    code, out, err = inproc("generate", "--ops", "chscale", "--defaults", "--no-compile", "--target", "sm_90",
+                            "--out", str(tmp_path / "lib"))
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "lib").rglob("chscale_*.cu")) == [
+        f"chscale_{d}_{l}_t256_v16.cu" for d in ("bf16", "fp32") for l in ("nchw", "nhwc")]
+
+
 def test_explain_picks_without_a_tuned_entry(op) -> None:
     import ckgen
     from ckgen.dispatch import dispatcher

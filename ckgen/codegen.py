@@ -87,13 +87,22 @@ def environment(folder: str | None = None) -> jinja2.Environment:
                               bytecode_cache=TemplateBytecode(bytecode_tag()), **OPTIONS)
 
 
-@lru_cache(maxsize=1)
 def templates_digest() -> str:
-    """sha256 over every template file: a study or cache keyed on it never mixes template versions."""
+    """sha256 over every template file (ckgen's, then the template folders of the registered
+    plug-in ops, `OpSpec.template_dir`): a study or cache keyed on it never mixes template versions."""
+    from .ops import registered_ops
+
+    extra = sorted({str(Path(op.template_dir).resolve()) for op in registered_ops() if op.template_dir is not None})
+    return _digest(tuple(extra))
+
+
+@lru_cache(maxsize=None)
+def _digest(extra: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for path in sorted(TEMPLATE_DIR.rglob("*.j2")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
+    for folder in (TEMPLATE_DIR, *map(Path, extra)):
+        for path in sorted(folder.rglob("*.j2")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
     return h.hexdigest()
 
 

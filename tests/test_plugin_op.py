@@ -35,7 +35,10 @@ def _problem(op, dtype="bf16", layout="nchw", **kw):
 
 
 def test_registered_and_listed(op, inproc) -> None:
+    from ckgen import codegen
+
     assert get_op("chscale") is op and op in all_ops()
+    assert codegen.templates_digest() != codegen._digest(())  # tuning studies see the op's template too
     code, out, err = inproc("list")
     assert code == 0 and "chscale" in out, err
     code, out, err = inproc("list", "--op", "chscale")

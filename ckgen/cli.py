@@ -214,17 +214,21 @@ def _option_groups() -> list[Any]:
 
 def problem_flags() -> dict[str, Any]:
     """The problem options of `ckgen tune` beyond --shape/--grid/--dtype/--layout: argparse dest ->
-    its `ProblemOption`; an op takes those in its tune_options."""
-    return {o.dest: o for g in _option_groups() for o in g.options}
+    its `ProblemOption` (the first family to declare a dest owns it; another family's op takes it
+    by naming it in its tune_options); an op takes those in its tune_options."""
+    out: dict[str, Any] = {}
+    for g in _option_groups():
+        for o in g.options:
+            out.setdefault(o.dest, o)
+    return out
 
 
 def _field_flags() -> dict[str, str]:
     """Problem fields named by the ops' ValueErrors -> the option that set them."""
     out = {"N": "--shape", "C": "--shape", "H": "--shape", "W": "--shape", "H*W": "--shape",
            "dtype": "--dtype", "layout": "--layout"}
-    for g in _option_groups():
-        for o in g.options:
-            out.update(dict.fromkeys(o.fields, o.flag))
+    for o in problem_flags().values():
+        out.update(dict.fromkeys(o.fields, o.flag))
     return out
 
 
@@ -1176,10 +1180,12 @@ def _problem_options(p: argparse.ArgumentParser) -> None:
                    help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
     p.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
                    help="repeatable (default: nchw with --shape, else the default problems' layouts)")
+    owners = problem_flags()
     for g in _option_groups():
         group = p.add_argument_group(g.title, g.description)
         for o in g.options:
-            group.add_argument(o.flag, dest=o.dest, help=o.help, **_option_kwargs(o))
+            if owners[o.dest] is o:  # a dest declared again by a later family: the first one's
+                group.add_argument(o.flag, dest=o.dest, help=o.help, **_option_kwargs(o))
 
 
 _OPTION_TYPES = {"ints": _csv_ints, "positive_int": _positive_int}

@@ -168,3 +168,32 @@ def test_cost_model_picks_on_a_db_miss(op, model_on) -> None:
     p = _problem(op, "fp16", "nhwc", C=128, H=32, W=32)
     choice, _ = dispatcher().choose(op, p, SM90)
     assert choice.source in ("model", "default") and op.validate(p, choice.config, SM90), choice
+
+
+def test_a_plugin_family_adds_its_cli_options(op, inproc) -> None:
+    """`problem_options`: a family's group joins `ckgen tune` / `explain` (after ckgen's own), and
+    only the ops naming an option in their tune_options take it."""
+    from ckgen.ops.spec import OptionGroup, ProblemOption
+
+    class WithOption(type(op)):
+        name = "chscale_opt"
+        tune_options = ("repeat",)
+        problem_options = OptionGroup("channel scale problem", "for chscale_opt", (
+            ProblemOption("--repeat", "times to apply the scale (default: 1)", type="positive_int"),))
+
+        def problems_from_cli(self, args):
+            assert args.repeat == 2
+            return super().problems_from_cli(args)
+
+    register(WithOption())
+    try:
+        code, out, err = inproc("tune", "--help")
+        assert code == 0 and out.index("pooling problem") < out.index("channel scale problem:") < out.index("times to apply")
+        code, out, err = inproc("tune", "chscale_opt", "--shape", "2,16,4,4", "--repeat", "2", "--list")
+        assert code == 0 and "N=2,C=16,H=4,W=4" in out, err
+        code, out, err = inproc("tune", "chscale_opt", "--shape", "2,16,4,4", "--repeat", "0", "--list")
+        assert code == 2 and "must be a positive integer" in err
+        code, out, err = inproc("explain", "groupnorm_fwd", "--repeat", "2", "--arch", "sm_90")
+        assert code == 2 and "--repeat: groupnorm_fwd takes no --repeat (it is an option of chscale_opt)" in err
+    finally:
+        unregister("chscale_opt")

@@ -87,13 +87,15 @@ def environment(folder: str | None = None) -> jinja2.Environment:
                               bytecode_cache=TemplateBytecode(bytecode_tag()), **OPTIONS)
 
 
-def templates_digest() -> str:
-    """sha256 over every template file (ckgen's, then the template folders of the registered
-    plug-in ops, `OpSpec.template_dir`): a study or cache keyed on it never mixes template versions."""
-    from .ops import registered_ops
+# the template folders of the registered plug-in ops (OpSpec.template_dir; ckgen.ops.register
+# keeps it): templates_digest covers them too
+PLUGIN_TEMPLATE_DIRS: set[str] = set()
 
-    extra = sorted({str(Path(op.template_dir).resolve()) for op in registered_ops() if op.template_dir is not None})
-    return _digest(tuple(extra))
+
+def templates_digest() -> str:
+    """sha256 over every template file (ckgen's, then the registered plug-ins' folders): a study
+    or cache keyed on it never mixes template versions."""
+    return _digest(tuple(sorted(PLUGIN_TEMPLATE_DIRS)))
 
 
 @lru_cache(maxsize=None)

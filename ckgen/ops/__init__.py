@@ -38,6 +38,7 @@ def register(op: OpSpec, *, replace: bool = False) -> OpSpec:
         raise ValueError(f"register: {name}: no template {op.template!r} in {folder}")
     op.space  # reads and checks the tuning space: a broken one fails here, not at the first pick
     _REGISTRY[name] = op
+    _plugin_template_dirs()
     return op
 
 
@@ -48,6 +49,18 @@ def unregister(name: str) -> None:
     if name not in _REGISTRY:
         raise ValueError(f"unregister: no op {name!r} is registered")
     del _REGISTRY[name]
+    _plugin_template_dirs()
+
+
+def _plugin_template_dirs() -> None:
+    """Tell codegen the registered plug-ins' template folders (its templates_digest covers them)."""
+    from pathlib import Path
+
+    from ..codegen import PLUGIN_TEMPLATE_DIRS
+
+    PLUGIN_TEMPLATE_DIRS.clear()
+    PLUGIN_TEMPLATE_DIRS.update(str(Path(op.template_dir).resolve()) for op in _REGISTRY.values()
+                                if op.template_dir is not None)
 
 
 def get_op(name: str) -> OpSpec:

@@ -209,6 +209,35 @@ class ChScale(OpSpec):
     def distance(self, a: ChScaleProblem, b: ChScaleProblem) -> float:
         return (abs(math.log(a.numel / b.numel)) + abs(math.log(a.C / b.C))
                 + 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype))
+
+    def bench_callables(self, p: ChScaleProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+        """`chscale` against PyTorch's broadcast product."""
+        import torch
+
+        dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+        fmt = torch.channels_last if p.layout == "nhwc" else torch.contiguous_format
+        x = torch.randn(p.N, p.C, p.H, p.W, device=device).to(dt).contiguous(memory_format=fmt)
+        s = (torch.rand(p.C, device=device) + 0.5).to(dt)
+        return (lambda: chscale(x, s)), (lambda: x * s.view(1, -1, 1, 1)), "x * s[None, :, None, None]"
+
+
+def chscale(x: Any, s: Any) -> Any:
+    """The public function: y = x * s[c] for a CuPy array or torch CUDA tensor x (N, C, H, W; NCHW
+    or channels-last) and s (C,) of x's dtype, through ckgen's dispatcher; y in x's layout."""
+    from ckgen.dispatch import Output, plan_for
+    from ckgen.ops import get_op
+    from ckgen.tensors import as_device_tensor, layout_of
+
+    xt, st = as_device_tensor(x, "x"), as_device_tensor(s, "s")
+    layout = layout_of(xt, "x")
+    N, C, H, W = xt.shape
+    if st.shape != (C,) or st.strides != (1,) or st.dtype != xt.dtype or st.device != xt.device:
+        raise ValueError(f"s: expected a contiguous ({C},) {xt.dtype} tensor on x's device, got shape {st.shape}, "
+                         f"strides {st.strides}, {st.dtype} on device {st.device}")
+    op = get_op("chscale")
+    p = op.parse_problem(N=N, C=C, H=H, W=W, dtype=xt.dtype, layout=layout)
+    plan = plan_for(op, p, xt, {"x": xt.ptr, "s": st.ptr}, [Output("y", (N, C, H, W), layout, p.dtype)], ("x", "s"))
+    return plan.run((xt.ptr, st.ptr), 0.0, x)[0]
 '''
 
 

@@ -125,7 +125,28 @@ def test_problems_keys_grids_and_records(op) -> None:
     assert rec["features"] == {"dtype_bytes": 2, "layout": p.layout, "N": p.N, "C": p.C, "HW": p.H * p.W,
                                "min_bytes": op.min_bytes(p)}
     assert op.explain_fields(p) == dict(N=p.N, C=p.C, H=p.H, W=p.W, dtype=p.dtype, layout=p.layout)
-    assert op.sanitize_problems() and not op.bench_ready
+    assert op.sanitize_problems() and op.bench_ready
+
+
+def test_bench_takes_the_op(op, inproc, monkeypatch) -> None:
+    """`ckgen bench` has the op (it has `bench_callables`): the eager side runs (on CPU here), the
+    ckgen side is the plug-in's public function, a GPU call."""
+    torch = pytest.importorskip("torch")
+    import ckgen.target
+    from ckgen.opbench import OPS, _explain_fields, callables, suite
+
+    assert "chscale" in OPS and list(OPS)[-1] == "chscale"  # after ckgen's own, in registration order
+    p = op.parse_problem(N=2, C=8, H=5, W=6, dtype="fp32", layout="nhwc")
+    ours, eager, what = callables("chscale", p, device="cpu")
+    y = eager()
+    assert what == "x * s[None, :, None, None]" and y.shape == (2, 8, 5, 6) and torch.isfinite(y).all()
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(TypeError, match="GPU"):
+        ours()
+    assert _explain_fields("chscale", suite("chscale", True)[0]).keys() == {"N", "C", "H", "W", "dtype", "layout"}
+    monkeypatch.setattr(ckgen.target, "gpu_status", lambda: "faked: none here")
+    code, out, err = inproc("bench", "--ops", "chscale")
+    assert code == 2 and err.strip() == "ckgen bench: no usable GPU (faked: none here)", err
 
 
 def test_tune_list_and_shape_through_the_cli(op, inproc) -> None:

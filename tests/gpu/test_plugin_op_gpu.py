@@ -2,7 +2,8 @@
 with `ckgen.ops.register`): every dtype x layout tuned for a few trials through the real tune
 path (`tune.tune_problem`), its winner saved and then used by the dispatcher, the output
 against the float64 reference; every valid config against the reference with poisoned
-outputs; an untuned problem served by the dispatcher's fallback.
+outputs; an untuned problem served by the dispatcher's fallback; the plug-in's public function
+and PyTorch's product agree.
 
     python -m pytest -m gpu tests/gpu/test_plugin_op_gpu.py
 """
@@ -79,6 +80,8 @@ def _check(op, p, y, like, x, s) -> None:
 
 @pytest.mark.parametrize("dtype,layout", list(itertools.product(DTYPES, LAYOUTS)))
 def test_tune_then_dispatch(op, info, dtype, layout) -> None:
+    import torch
+
     import ckgen
     from ckgen import db as dbmod
     from ckgen import settings
@@ -93,6 +96,9 @@ def test_tune_then_dispatch(op, info, dtype, layout) -> None:
     plan, y = _call(op, x, s)
     assert plan.choice.source == "tuned" and plan.choice.instance == r.best.instance, plan.choice
     _check(op, p, y, x, xv, sv)
+    # the plug-in's public function takes the same plan; PyTorch's product agrees (one rounding each)
+    assert torch.equal(sys.modules["chscale_op"].chscale(x, s), y)
+    assert torch.equal(y, x * s.view(1, -1, 1, 1))
 
 
 @pytest.mark.parametrize("dtype,layout", list(itertools.product(DTYPES, LAYOUTS)))

@@ -199,32 +199,50 @@ def _counted(k: int, n: int) -> str:
 # ------------------------------------------------------------------ tune
 
 
-# the problem options of `ckgen tune` (argparse dest -> flag); an op takes those in its tune_options
-PROBLEM_FLAGS = {
-    "groups": "--groups", "activation": "--activation", "kernel": "--kernel", "stride": "--stride",
-    "padding": "--padding", "dilation": "--dilation", "ceil_mode": "--ceil-mode",
-    "count_include_pad": "--count-include-pad", "divisor_override": "--divisor-override",
-    "return_indices": "--return-indices", "indices": "--indices",
-}
-# problem fields named by the ops' ValueErrors -> the option that set them
-_FIELD_FLAGS = {
-    "N": "--shape", "C": "--shape", "H": "--shape", "W": "--shape", "H*W": "--shape", "G": "--groups",
-    "groups": "--groups", "kernel_size": "--kernel", "kernel": "--kernel", "stride": "--stride",
-    "padding": "--padding", "dilation": "--dilation", "divisor_override": "--divisor-override",
-    "dtype": "--dtype", "layout": "--layout", "activation": "--activation", "indices": "--indices",
-}
+def _option_groups() -> list[Any]:
+    """The registered op families' problem option groups (`OpSpec.problem_options`), each once,
+    in the order their first op was registered."""
+    from .ops import registered_ops
+
+    groups: dict[str, Any] = {}
+    for op in registered_ops():
+        g = op.problem_options
+        if g is not None:
+            groups.setdefault(g.title, g)
+    return list(groups.values())
+
+
+def problem_flags() -> dict[str, Any]:
+    """The problem options of `ckgen tune` beyond --shape/--grid/--dtype/--layout: argparse dest ->
+    its `ProblemOption` (the first family to declare a dest owns it; another family's op takes it
+    by naming it in its tune_options); an op takes those in its tune_options."""
+    out: dict[str, Any] = {}
+    for g in _option_groups():
+        for o in g.options:
+            out.setdefault(o.dest, o)
+    return out
+
+
+def _field_flags() -> dict[str, str]:
+    """Problem fields named by the ops' ValueErrors -> the option that set them."""
+    out = {"N": "--shape", "C": "--shape", "H": "--shape", "W": "--shape", "H*W": "--shape",
+           "dtype": "--dtype", "layout": "--layout"}
+    for o in problem_flags().values():
+        out.update(dict.fromkeys(o.fields, o.flag))
+    return out
 
 
 def _check_problem_options(op: Any, args: argparse.Namespace) -> None:
     from .ops import all_ops
 
-    for dest, flag in PROBLEM_FLAGS.items():
+    for dest, opt in problem_flags().items():
         if getattr(args, dest, None) is None:
             continue
+        flag = opt.flag
         if dest not in op.tune_options:
             takers = [o.name for o in all_ops() if dest in o.tune_options]
             raise UsageError(f"{flag}: {op.name} takes no {flag} (it is an option of {', '.join(takers)})")
-        if not args.shape and dest != "activation":
+        if not args.shape and not opt.without_shape:
             raise UsageError(f"{flag}: needs --shape (without --shape, {args.cmd} takes the default problems of "
                              f"{op.name})")
     if getattr(args, "grid", None) is not None:
@@ -248,7 +266,7 @@ def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
         text = str(e)
         name, sep, rest = text.partition(": ")
         if sep and not name.startswith("--"):
-            flag = _FIELD_FLAGS.get(name)
+            flag = _field_flags().get(name)
             if flag:
                 text = f"{flag}: {rest}" if flag[2:].replace("-", "_") == name else f"{flag} ({name}): {rest}"
         raise UsageError(text) from None
@@ -1100,7 +1118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--ops: ckgen bench has no suite for {', '.join(missing)}")
     db_path = _user_db(args) if getattr(args, "db", None) else None
     try:
-        import torch  # noqa: F401 - the comparison runs PyTorch's ops
+        __import__("torch")  # the comparison runs PyTorch's ops
     except ImportError:
         raise UsageError("needs PyTorch (pip install 'ckgen[torch]')") from None
     from .target import gpu_status
@@ -1155,7 +1173,7 @@ def _search_options(p: argparse.ArgumentParser) -> None:
 
 def _problem_options(p: argparse.ArgumentParser) -> None:
     """The problem options of `ckgen tune` (and `ckgen explain`, which takes the same problems):
-    --shape, --grid, --dtype, --layout and each op's own (PROBLEM_FLAGS)."""
+    --shape, --grid, --dtype, --layout and each op family's own (`OpSpec.problem_options`)."""
     p.add_argument("--shape", type=_csv_ints, help="N,C,H,W (default: the op's default problems)")
     p.add_argument("--grid", metavar="NAME",
                    help="a named problem list of the op's tuning space (tuning_spaces/OP.yaml; e.g. sd15-unet, "
@@ -1165,25 +1183,31 @@ def _problem_options(p: argparse.ArgumentParser) -> None:
                    help="repeatable (default: bf16 with --shape, else the default problems' dtypes)")
     p.add_argument("--layout", action="append", choices=["nchw", "nhwc"],
                    help="repeatable (default: nchw with --shape, else the default problems' layouts)")
-    gn = p.add_argument_group("GroupNorm problem", "for groupnorm_*")
-    gn.add_argument("--groups", type=_positive_int, help="G, dividing C (required with --shape; no default)")
-    gn.add_argument("--activation", choices=["none", "swish"],
-                    help="none or swish (default: none with --shape, else the default problems' activations)")
-    pool = p.add_argument_group("pooling problem", "with --shape, for maxpool2d_* / avgpool2d_*")
-    pool.add_argument("--kernel", type=_csv_ints, help="kernel size: K or KH,KW (required with --shape; no default)")
-    pool.add_argument("--stride", type=_csv_ints, help="stride: S or SH,SW (default: the kernel)")
-    pool.add_argument("--padding", type=_csv_ints, help="padding: P or PH,PW (default: 0)")
-    pool.add_argument("--dilation", type=_csv_ints, help="max pooling: D or DH,DW (default: 1)")
-    pool.add_argument("--ceil-mode", action="store_true", default=None,
-                      help="ceil instead of floor for the output size (default: floor)")
-    pool.add_argument("--count-include-pad", action=argparse.BooleanOptionalAction, default=None,
-                      help="avg pooling: count the padding in the divisor (default: yes)")
-    pool.add_argument("--divisor-override", type=_positive_int,
-                      help="avg pooling: divide by this positive integer instead (default: none)")
-    pool.add_argument("--return-indices", action="store_true", default=None,
-                      help="maxpool2d_fwd: also write int64 indices (default: no)")
-    pool.add_argument("--indices", choices=["stored", "recompute"],
-                      help="maxpool2d_bwd: read stored int64 indices or recompute the argmax from x (default: stored)")
+    owners = problem_flags()
+    for g in _option_groups():
+        group = p.add_argument_group(g.title, g.description)
+        for o in g.options:
+            if owners[o.dest] is o:  # a dest declared again by a later family: the first one's
+                group.add_argument(o.flag, dest=o.dest, help=o.help, **_option_kwargs(o))
+
+
+_OPTION_TYPES = {"ints": _csv_ints, "positive_int": _positive_int}
+
+
+def _option_kwargs(o: Any) -> dict[str, Any]:
+    """argparse's keywords for a `ProblemOption` besides flag, dest and help."""
+    kw: dict[str, Any] = {}
+    if o.action == "store_true":
+        kw.update(action="store_true", default=None)
+    elif o.action == "bool":
+        kw.update(action=argparse.BooleanOptionalAction, default=None)
+    elif o.action is not None:
+        raise ValueError(f"{o.flag}: unknown action {o.action!r} (store_true or bool)")
+    if o.type is not None:
+        kw["type"] = _OPTION_TYPES[o.type] if isinstance(o.type, str) else o.type
+    if o.choices is not None:
+        kw["choices"] = list(o.choices)
+    return kw
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,4 +18,5 @@ def render_instance(op: OpSpec, problem: Problem, config: Config, target: Target
         ok = op.validate(problem, config, target)
         if not ok:
             raise InvalidConfig(f"{op.name} {config.key()}: {ok.reason}")
-    return render(op.template, op.instance_name(problem, config), op.render_context(problem, config, target))
+    return render(op.template, op.instance_name(problem, config), op.render_context(problem, config, target),
+                  op.template_dir)

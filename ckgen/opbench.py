@@ -1,10 +1,11 @@
 """`ckgen bench`: every op's suite on this GPU, ckgen against PyTorch eager and torch.compile.
 
-For each op (default: all eight: GroupNorm forward, backward, backward dx only and backward
-dgamma/dbeta only, max and avg pooling forward and backward) the suite is the op's default
-problems (its tuning space's list: Stable Diffusion UNet/VAE, detection and batch-1 shapes for
-GroupNorm; ResNet/VGG-style shapes for pooling); `--quick` takes every third. Each problem is
-timed three ways, on torch tensors:
+For each op (default: every registered op with a benchmark, `OpSpec.bench_callables`; ckgen's
+eight: GroupNorm forward, backward, backward dx only and backward dgamma/dbeta only, max and avg
+pooling forward and backward) the suite is the op's default problems (its tuning space's list:
+Stable Diffusion UNet/VAE, detection and batch-1 shapes for GroupNorm; ResNet/VGG-style shapes
+for pooling); `--quick` takes every third. Each problem is timed three ways, on torch tensors,
+as the op's `bench_callables` gives them:
 
 - ckgen: the public ckgen function (what `ckgen.torch`'s ops call);
 - eager: PyTorch's op: F.group_norm (+ F.silu), native_group_norm_backward (after silu_backward
@@ -28,13 +29,34 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
-OPS = ("groupnorm_fwd", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta", "maxpool2d_fwd",
-       "maxpool2d_bwd", "avgpool2d_fwd", "avgpool2d_bwd")
-# what each GroupNorm backward computes: (dx, dgamma, dbeta) as native_group_norm_backward's output mask
-_GN_BWD_OUTPUTS = {"groupnorm_bwd": (True, True, True), "groupnorm_bwd_data": (True, False, False),
-                   "groupnorm_bwd_gamma_beta": (False, True, True)}
+class _BenchOps(Sequence):
+    """The names of the registered ops `ckgen bench` times (those with `bench_callables`), in
+    registration order; read at each use, so an op registered later is in it."""
+
+    def _names(self) -> tuple[str, ...]:
+        from .ops import registered_ops
+
+        return tuple(o.name for o in registered_ops() if o.bench_ready)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+OPS: Sequence[str] = _BenchOps()
 
 
 def suite(op_name: str, quick: bool) -> list[Any]:
@@ -44,89 +66,15 @@ def suite(op_name: str, quick: bool) -> list[Any]:
     return problems[::3] if quick else problems
 
 
-def _pool_args(p: Any) -> tuple[list[int], list[int], list[int], list[int], bool]:
-    return list(p.kernel), list(p.stride), list(p.padding), list(p.dilation), bool(p.ceil_mode)
-
-
 def callables(op_name: str, p: Any, device: str = "cuda") -> tuple[Callable[[], Any], Callable[[], Any], str]:
     """(ckgen call, eager call, what eager runs) on fresh inputs for problem p, on `device` (the
-    ckgen call runs on a GPU only; the eager one anywhere, which the CPU tests use)."""
-    import torch
-    import torch.nn.functional as F
-
-    import ckgen
+    ckgen call runs on a GPU only; the eager one anywhere, which the CPU tests use): the op's
+    `bench_callables`."""
+    from .ops import get_op
 
     if op_name not in OPS:
         raise ValueError(f"op: {op_name!r} is not one of {', '.join(OPS)}")
-    aten = torch.ops.aten
-    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
-    fmt = torch.channels_last if p.layout == "nhwc" else torch.contiguous_format
-    N, C, H, W = p.N, p.C, p.H, p.W
-    x = (torch.randn(N, C, H, W, device=device) + 0.25).to(dt).contiguous(memory_format=fmt)
-    if op_name.startswith("groupnorm"):
-        G, swish = p.G, p.activation == "swish"
-        gamma = (1 + 0.1 * torch.randn(C, device=device)).to(dt)
-        beta = (0.1 * torch.randn(C, device=device)).to(dt)
-        act = "swish" if swish else None
-        if op_name == "groupnorm_fwd":
-            def eager():
-                y = F.group_norm(x, G, gamma, beta, 1e-5)
-                return F.silu(y) if swish else y
-
-            return (lambda: ckgen.groupnorm_fwd(x, gamma, beta, G, activation=act)), eager, \
-                "F.group_norm" + (" + F.silu" if swish else "")
-        dy = torch.randn(N, C, H, W, device=device).to(dt).contiguous(memory_format=fmt)
-        ypre, mean, rstd = aten.native_group_norm(x.contiguous(), gamma, beta, N, C, H * W, G, 1e-5)
-        ypre = ypre.contiguous(memory_format=fmt)
-        mean32, rstd32 = mean.float(), rstd.float()
-        mask = list(_GN_BWD_OUTPUTS[op_name])
-        what = {"groupnorm_bwd": "", "groupnorm_bwd_data": " (dx)", "groupnorm_bwd_gamma_beta": " (dgamma, dbeta)"}
-
-        if op_name == "groupnorm_bwd":
-            def ours():
-                return ckgen.groupnorm_bwd(dy, x, mean32, rstd32, gamma, G, beta, activation=act)
-        elif op_name == "groupnorm_bwd_data":
-            def ours():
-                return ckgen.groupnorm_bwd_data(dy, x, mean32, rstd32, gamma, G, beta, activation=act)
-        else:
-            def ours():
-                return ckgen.groupnorm_bwd_gamma_beta(dy, x, mean32, rstd32, G, gamma, beta, activation=act)
-
-        if p.layout == "nchw":
-            def eager():
-                g = aten.silu_backward(dy, ypre) if swish else dy
-                return aten.native_group_norm_backward(g, x, mean, rstd, gamma, N, C, H * W, G, mask)
-
-            return ours, eager, "native_group_norm_backward" + what[op_name]
-        xr, wr, br = (t.detach().requires_grad_() for t in (x, gamma, beta))
-        yr = F.group_norm(xr, G, wr, br, 1e-5)
-        yr = F.silu(yr) if swish else yr
-        wrt = tuple(t for t, want in zip((xr, wr, br), mask) if want)
-
-        def eager_autograd():
-            return torch.autograd.grad(yr, wrt, dy, retain_graph=True)
-
-        return ours, eager_autograd, "autograd of F.group_norm" + what[op_name]
-    k, s, pad, d, ceil = _pool_args(p)
-    if op_name == "maxpool2d_fwd":
-        ri = bool(p.return_indices)
-        return (lambda: ckgen.maxpool2d_fwd(x, k, s, pad, d, ceil, return_indices=ri)), \
-            (lambda: F.max_pool2d(x, k, s, pad, d, ceil_mode=ceil, return_indices=ri)), "F.max_pool2d"
-    if op_name == "maxpool2d_bwd":
-        y, idx = F.max_pool2d(x, k, s, pad, d, ceil_mode=ceil, return_indices=True)
-        dy = torch.randn(y.shape, device=device).to(dt).contiguous(memory_format=fmt)
-        ind = idx if p.indices == "stored" else None
-        return (lambda: ckgen.maxpool2d_bwd(dy, x, k, s, pad, d, ceil, indices=ind)), \
-            (lambda: aten.max_pool2d_with_indices_backward(dy, x, k, s, pad, d, ceil, idx)), \
-            "max_pool2d_with_indices_backward"
-    cip, dv = bool(p.count_include_pad), (p.divisor_override or None)
-    if op_name == "avgpool2d_fwd":
-        return (lambda: ckgen.avgpool2d_fwd(x, k, s, pad, ceil, cip, dv)), \
-            (lambda: F.avg_pool2d(x, k, s, pad, ceil, cip, dv)), "F.avg_pool2d"
-    y = F.avg_pool2d(x, k, s, pad, ceil, cip, dv)
-    dy = torch.randn(y.shape, device=device).to(dt).contiguous(memory_format=fmt)
-    return (lambda: ckgen.avgpool2d_bwd(dy, x, k, s, pad, ceil, cip, dv)), \
-        (lambda: aten.avg_pool2d_backward(dy, x, k, s, pad, ceil, cip, dv)), "avg_pool2d_backward"
+    return get_op(op_name).bench_callables(p, device)
 
 
 def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, log=print) -> Path:
@@ -170,17 +118,9 @@ def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, lo
 
 
 def _explain_fields(op_name: str, p: Any) -> dict[str, Any]:
-    f = {k: getattr(p, k) for k in ("N", "C", "H", "W", "dtype", "layout")}
-    if op_name.startswith("groupnorm"):
-        f.update(G=p.G, activation=p.activation)
-        return f
-    f.update(kernel=p.kernel, stride=p.stride, padding=p.padding, ceil_mode=p.ceil_mode)
-    if op_name.startswith("maxpool"):
-        f["dilation"] = p.dilation
-        f.update({"return_indices": p.return_indices} if op_name == "maxpool2d_fwd" else {"indices": p.indices})
-    else:
-        f.update(count_include_pad=p.count_include_pad, divisor_override=p.divisor_override or None)
-    return f
+    from .ops import get_op
+
+    return get_op(op_name).explain_fields(p)
 
 
 def _ratio(row: dict[str, Any], other: str, kind: str) -> float | None:

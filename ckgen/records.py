@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 import filelock
 
 from .ops import get_op
-from .ops.spec import DTYPES, Config, OpSpec, Problem, Target
+from .ops.spec import Config, OpSpec, Problem, Target
 
 PHASES = ("trial", "final", "sweep", "winner", "default", "bench")
 # The `source` label of a record from one of the repo's exhaustive sweeps (the files of
@@ -75,15 +75,9 @@ def packaged_records_path() -> Path:
 
 
 def problem_features(op: OpSpec, p: Problem) -> dict[str, Any]:
-    """What decides these kernels, of the problem alone (stored with each record for reading)."""
-    item = DTYPES[p.dtype]["itemsize"]
-    out: dict[str, Any] = {"dtype_bytes": item, "layout": p.layout, "N": p.N, "C": p.C, "HW": p.H * p.W,
-                           "min_bytes": op.min_bytes(p)}
-    if hasattr(p, "G"):
-        out.update(G=p.G, Cg=p.C // p.G, slices=p.N * p.G, slice_elems=p.C // p.G * p.H * p.W)
-    else:
-        out.update(planes=p.N * p.C, kernel=list(p.kernel), stride=list(p.stride), out_hw=p.OH * p.OW)
-    return out
+    """What decides these kernels, of the problem alone (stored with each record for reading):
+    the op's `problem_features`."""
+    return op.problem_features(p)
 
 
 def legacy_kernel_version(rec: dict[str, Any]) -> int:

@@ -2,10 +2,11 @@
 
     python tools/sanitize_ops.py [--configs 6] [--prepare]
 
-Families: each of the 8 ops x fp32/bf16 (+ fp16 for the forward ops) x NCHW/NHWC, GroupNorm
-with and without swish, pooling on two geometries (one with padding, ceil_mode and dilation) and
-both max-pool backward index modes. Small problems with ragged tails (odd H*W, C/G not a multiple of
-a vector). Per family: the space's default (or nearest valid) config, then seeded random valid
+Families: each registered op's `sanitize_problems` (OpSpec's hook; by default the smallest
+default problem of each dtype and layout). ckgen's 8 ops: fp32/bf16 (+ fp16 for the forward ops)
+x NCHW/NHWC, GroupNorm with and without swish, pooling on two geometries (one with padding,
+ceil_mode and dilation) and both max-pool backward index modes; small problems with ragged tails
+(odd H*W, C/G not a multiple of a vector). Per family: the space's default (or nearest valid) config, then seeded random valid
 ones, each run through ckgen.verify.Harness (fresh random inputs, NaN-poisoned outputs, checked
 against the float64 reference).
 
@@ -16,7 +17,6 @@ spends its time in kernels, not in NVRTC. One line per check; exit 1 if any chec
 from __future__ import annotations
 
 import argparse
-import itertools
 import random
 import sys
 import time
@@ -24,34 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-GN_SHAPES = {"groupnorm_fwd": (2, 48, 7, 9, 4), "groupnorm_bwd": (2, 48, 7, 9, 4),
-             "groupnorm_bwd_data": (2, 40, 5, 11, 8), "groupnorm_bwd_gamma_beta": (3, 24, 9, 7, 6)}
-POOL_SHAPE = {"N": 2, "C": 24, "H": 13, "W": 17}
-POOL_GEOS = {"max": [{"kernel": 3, "stride": 2, "padding": 1},
-                     {"kernel": (3, 2), "stride": (2, 1), "padding": (1, 0), "dilation": (2, 1), "ceil_mode": True}],
-             "avg": [{"kernel": 3, "stride": 2, "padding": 1},
-                     {"kernel": 4, "stride": 3, "padding": 2, "ceil_mode": True, "count_include_pad": False}]}
-
-
 def families():
+    """(op, problem) for every registered op: its `sanitize_problems` (OpSpec's hook)."""
     from ckgen.ops import all_ops
 
-    out = []
-    for op in all_ops():
-        fwd = op.name in ("groupnorm_fwd", "maxpool2d_fwd", "avgpool2d_fwd")
-        dtypes = ("fp32", "bf16", "fp16") if fwd else ("fp32", "bf16")
-        for dt, lay in itertools.product(dtypes, ("nchw", "nhwc")):
-            if op.name.startswith("groupnorm"):
-                N, C, H, W, G = GN_SHAPES[op.name]
-                acts = ("none",) if op.name == "groupnorm_bwd_gamma_beta" else ("none", "swish")
-                for act in acts:
-                    out.append((op, op.parse_problem(N=N, C=C, H=H, W=W, G=G, dtype=dt, layout=lay, activation=act)))
-            else:
-                pool = "max" if op.name.startswith("max") else "avg"
-                extra = [{"indices": i} for i in ("stored", "recompute")] if op.name == "maxpool2d_bwd" else [{}]
-                for geo, ex in itertools.product(POOL_GEOS[pool], extra):
-                    out.append((op, op.parse_problem(**POOL_SHAPE, dtype=dt, layout=lay, **geo, **ex)))
-    return out
+    return [(op, p) for op in all_ops() for p in op.sanitize_problems()]
 
 
 def configs(op, p, target, n):

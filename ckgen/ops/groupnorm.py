@@ -14,7 +14,8 @@ from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target
 from .numeric import from_storage, round_to, to_storage
 from . import gn_vector
 from .gn_limits import MAX_SERIAL_ADDS
-from .spec import OpSpec, Problem, check_choice, check_int, full_shapes, layered_validate, problem_of
+from .spec import (OpSpec, OptionGroup, Problem, ProblemOption, check_choice, check_int, full_shapes, layered_validate,
+                   problem_of)
 
 ACTIVATIONS = ("none", "swish")
 
@@ -166,6 +167,14 @@ def fwd_regs_needed(p: GroupNormProblem, config: Config) -> int:
     regs = {"regs": packed, "rows": 2 * packed}.get(config["slice_in"], config["items"] * vec // 2) + 32
     return regs + (3 * vec if p.layout == "nhwc" else 0)
 
+GN_OPTIONS = OptionGroup("GroupNorm problem", "for groupnorm_*", (
+    ProblemOption("--groups", "G, dividing C (required with --shape; no default)", type="positive_int",
+                  fields=("G", "groups")),
+    ProblemOption("--activation", "none or swish (default: none with --shape, else the default problems' activations)",
+                  choices=ACTIVATIONS, fields=("activation",), without_shape=True),
+))
+
+
 class GroupNormOp(OpSpec):
     """The problem side every GroupNorm op (forward and backward) shares: problem type, CLI and
     default problems, tuning space by op name, random x/gamma/beta, distance between problems."""
@@ -221,6 +230,42 @@ class GroupNormOp(OpSpec):
         d += abs(math.log(a.N * a.G / (b.N * b.G))) + abs(math.log(a.Cg / b.Cg))
         d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype) + 0.5 * (a.activation != b.activation)
         return d
+
+    # ---- plug-in hooks: CLI, records, benchmark, sanitizer ----
+    problem_options: ClassVar[OptionGroup | None] = GN_OPTIONS
+    #: tools/sanitize_ops.py's problem (N, C, H, W, G): ragged tails (odd H*W, C/G not a whole vector)
+    sanitize_shape: ClassVar[tuple[int, int, int, int, int]] = (2, 48, 7, 9, 4)
+    sanitize_dtypes: ClassVar[tuple[str, ...]] = ("fp32", "bf16")
+
+    def problem_features(self, p: GroupNormProblem) -> dict[str, Any]:
+        out = super().problem_features(p)
+        out.update(G=p.G, Cg=p.C // p.G, slices=p.N * p.G, slice_elems=p.C // p.G * p.H * p.W)
+        return out
+
+    def explain_fields(self, p: GroupNormProblem) -> dict[str, Any]:
+        f = {k: getattr(p, k) for k in ("N", "C", "H", "W", "dtype", "layout")}
+        f.update(G=p.G, activation=p.activation)
+        return f
+
+    def sanitize_problems(self) -> list[GroupNormProblem]:
+        """Each dtype x layout x activation on `sanitize_shape`."""
+        N, C, H, W, G = self.sanitize_shape
+        return [self.parse_problem(N=N, C=C, H=H, W=W, G=G, dtype=dt, layout=lay, activation=act)
+                for dt in self.sanitize_dtypes for lay in ("nchw", "nhwc") for act in self.sanitize_activations]
+
+    #: the activations sanitize_problems covers
+    sanitize_activations: ClassVar[tuple[str, ...]] = ACTIVATIONS
+
+    def _bench_inputs(self, p: GroupNormProblem, device: str) -> tuple[Any, Any, Any, Any]:
+        """x (in p's layout), gamma, beta as torch tensors on `device`, and the torch memory format."""
+        import torch
+
+        dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+        fmt = torch.channels_last if p.layout == "nhwc" else torch.contiguous_format
+        x = (torch.randn(p.N, p.C, p.H, p.W, device=device) + 0.25).to(dt).contiguous(memory_format=fmt)
+        gamma = (1 + 0.1 * torch.randn(p.C, device=device)).to(dt)
+        beta = (0.1 * torch.randn(p.C, device=device)).to(dt)
+        return x, gamma, beta, fmt
 
 
 class GroupNormFwd(GroupNormOp):
@@ -496,6 +541,26 @@ class GroupNormFwd(GroupNormOp):
 
     def scalar_args(self, p: GroupNormProblem) -> tuple:
         return np.int32(p.C), np.int32(p.HW), np.int32(p.G)
+
+    # ---- plug-in hooks: benchmark, sanitizer ----
+    sanitize_dtypes: ClassVar[tuple[str, ...]] = ("fp32", "bf16", "fp16")
+
+    def bench_callables(self, p: GroupNormProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+        """ckgen.groupnorm_fwd against F.group_norm (+ F.silu for swish)."""
+        import torch.nn.functional as F
+
+        import ckgen
+
+        x, gamma, beta, _ = self._bench_inputs(p, device)
+        G, swish = p.G, p.activation == "swish"
+        act = "swish" if swish else None
+
+        def eager():
+            y = F.group_norm(x, G, gamma, beta, 1e-5)
+            return F.silu(y) if swish else y
+
+        return (lambda: ckgen.groupnorm_fwd(x, gamma, beta, G, activation=act)), eager, \
+            "F.group_norm" + (" + F.silu" if swish else "")
 
 
 

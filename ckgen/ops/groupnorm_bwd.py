@@ -397,6 +397,54 @@ class _GroupNormBwd(GroupNormOp):
         return out
 
 
+    # ---- plug-in hooks: benchmark, sanitizer ----
+    def bench_callables(self, p: GroupNormProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+        """ckgen's backward against aten's native_group_norm_backward (after silu_backward for
+        swish), its output mask asking for what this op computes (dx, dgamma/dbeta or all three);
+        channels-last: the autograd of F.group_norm for those gradients (the native op takes NCHW
+        only)."""
+        import torch
+        import torch.nn.functional as F
+
+        import ckgen
+
+        aten = torch.ops.aten
+        x, gamma, beta, fmt = self._bench_inputs(p, device)
+        N, C, H, W, G = p.N, p.C, p.H, p.W, p.G
+        swish = p.activation == "swish"
+        act = "swish" if swish else None
+        dy = torch.randn(N, C, H, W, device=device).to(x.dtype).contiguous(memory_format=fmt)
+        ypre, mean, rstd = aten.native_group_norm(x.contiguous(), gamma, beta, N, C, H * W, G, 1e-5)
+        ypre = ypre.contiguous(memory_format=fmt)
+        mean32, rstd32 = mean.float(), rstd.float()
+        mask = [self.want_dx, self.want_dgb, self.want_dgb]  # native_group_norm_backward's output mask
+        what = "" if self.want_dx and self.want_dgb else f" ({', '.join(self.outputs)})"
+        fn = getattr(ckgen, self.name)
+
+        if self.want_dx:
+            def ours():
+                return fn(dy, x, mean32, rstd32, gamma, G, beta, activation=act)
+        else:
+            def ours():
+                return fn(dy, x, mean32, rstd32, G, gamma, beta, activation=act)
+
+        if p.layout == "nchw":
+            def eager():
+                g = aten.silu_backward(dy, ypre) if swish else dy
+                return aten.native_group_norm_backward(g, x, mean, rstd, gamma, N, C, H * W, G, mask)
+
+            return ours, eager, "native_group_norm_backward" + what
+        xr, wr, br = (t.detach().requires_grad_() for t in (x, gamma, beta))
+        yr = F.group_norm(xr, G, wr, br, 1e-5)
+        yr = F.silu(yr) if swish else yr
+        wrt = tuple(t for t, want in zip((xr, wr, br), mask) if want)
+
+        def eager_autograd():
+            return torch.autograd.grad(yr, wrt, dy, retain_graph=True)
+
+        return ours, eager_autograd, "autograd of F.group_norm" + what
+
+
 class GroupNormBwd(_GroupNormBwd):
     name: ClassVar[str] = "groupnorm_bwd"
     want_dx, want_dgb = True, True
@@ -407,9 +455,12 @@ class GroupNormBwdData(_GroupNormBwd):
     name: ClassVar[str] = "groupnorm_bwd_data"
     want_dx, want_dgb = True, False
     outputs = ("dx",)
+    sanitize_shape = (2, 40, 5, 11, 8)
 
 
 class GroupNormBwdGammaBeta(_GroupNormBwd):
     name: ClassVar[str] = "groupnorm_bwd_gamma_beta"
     want_dx, want_dgb = False, True
     outputs = ("dgamma", "dbeta")
+    sanitize_shape = (3, 24, 9, 7, 6)
+    sanitize_activations = ("none",)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from ..space import load_space, load_space_file
 from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance,  # noqa: F401 - re-exported
                      short_repr)
 
-__all__ = ["DTYPES", "INT32_MAX", "LAYOUTS", "Config", "Launch", "OpSpec", "Problem", "Support", "Target", "Tolerance",
-           "check_choice", "check_flag", "check_int", "problem_of", "short_repr"]
+__all__ = ["DTYPES", "INT32_MAX", "LAYOUTS", "Config", "Launch", "OpSpec", "OptionGroup", "Problem", "ProblemOption",
+           "Support", "Target", "Tolerance", "check_choice", "check_flag", "check_int", "problem_of", "short_repr"]
 
 
 def check_int(name: str, v: Any, lo: int = 1, hi: int = INT32_MAX) -> int:
@@ -70,6 +72,48 @@ def problem_of(cls: type, kw: Mapping[str, Any], what: str, aliases: Mapping[str
         if n not in kw:
             raise TypeError(f"{shown.get(n, n)}: missing; a {what} problem needs {listed}")
     return cls(**kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemOption:
+    """One problem option of `ckgen tune` / `ckgen explain` (e.g. `--groups`), as an op family
+    declares it (`OpSpec.problem_options`); an op takes those whose `dest` is in its `tune_options`.
+
+    - flag: the option, e.g. "--kernel"; dest: its argparse dest (default: the flag's name, with
+      `_` for `-`);
+    - help: argparse's help text;
+    - type: "ints" (comma-separated integers: K or KH,KW), "positive_int", or a callable argparse
+      type; None: a string (or a flag, with `action`);
+    - choices: the accepted strings; action: "store_true" (a flag, None when absent) or
+      "bool" (`--x` / `--no-x`, None when absent);
+    - fields: the problem fields, as the op's ValueErrors name them, this option sets (an error
+      starting with one is reported against the option);
+    - without_shape: whether the option is taken without --shape too (it narrows the default
+      problems, as --activation does); by default it needs --shape."""
+
+    flag: str
+    help: str
+    type: Any = None
+    choices: tuple[str, ...] | None = None
+    action: str | None = None
+    fields: tuple[str, ...] = ()
+    without_shape: bool = False
+    dest: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.dest:
+            object.__setattr__(self, "dest", self.flag.lstrip("-").replace("-", "_"))
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionGroup:
+    """The problem options an op family adds to `ckgen tune` and `ckgen explain`: one argparse
+    group (title, description), shared by the family's ops. Groups appear in the help in the
+    order their first op was registered; the same group (by title) is added once."""
+
+    title: str
+    description: str
+    options: tuple[ProblemOption, ...]
 
 
 class Problem(abc.ABC):
@@ -375,3 +419,57 @@ class OpSpec(abc.ABC):
         lattice at once and the model predicts on arrays; a `model_*` hook left at its default
         is not asked per config (its default holds for every config)."""
         return getattr(type(self), method) is not getattr(OpSpec, method)
+
+    # ---- plug-in hooks: files, records, CLI, benchmark, sanitizer ----
+    #: the folder holding `template`; None: ckgen's templates/. A template there may include
+    #: ckgen's own (`common/prelude.cuh.j2`, `common/vec_io.cuh.j2`): the op's folder is searched
+    #: first, then ckgen's.
+    template_dir: ClassVar[Path | str | None] = None
+    #: the op's tuning space (YAML); None: ckgen's tuning_spaces/<name>.yaml
+    space_path: ClassVar[Path | str | None] = None
+    #: the `ckgen tune` / `ckgen explain` options of the op's family (its `tune_options` name which
+    #: of them it takes); None: none beyond --shape, --grid, --dtype and --layout
+    problem_options: ClassVar[OptionGroup | None] = None
+
+    @property
+    def space(self) -> Any:
+        """The op's tuning space, read once: `space_path`, else ckgen's tuning_spaces/<name>.yaml."""
+        return load_space(self.name) if self.space_path is None else load_space_file(str(self.space_path))
+
+    def problem_features(self, problem: Any) -> dict[str, Any]:
+        """What decides the op's kernels, of the problem alone: stored with each tuning record
+        (`records.make_record`) for the studies that read them. By default the element size, then
+        layout, N, C and H*W where the problem has those fields, then `min_bytes`; ops add their own."""
+        out: dict[str, Any] = {"dtype_bytes": DTYPES[problem.dtype]["itemsize"]}
+        if all(hasattr(problem, k) for k in ("layout", "N", "C", "H", "W")):
+            out.update(layout=problem.layout, N=problem.N, C=problem.C, HW=problem.H * problem.W)
+        out["min_bytes"] = self.min_bytes(problem)
+        return out
+
+    def bench_callables(self, problem: Any, device: str = "cuda") -> tuple[Callable[[], Any], Callable[[], Any], str]:
+        """`ckgen bench`'s comparison for `problem`, on fresh torch inputs on `device`: (the ckgen
+        call, PyTorch's eager equivalent, a label naming what eager runs). The ckgen call runs on a
+        GPU only; the eager one anywhere. An op that overrides this is in `ckgen bench`
+        (`bench_ready`); by default it is not."""
+        raise NotImplementedError(f"{self.name}: no benchmark (OpSpec.bench_callables)")
+
+    @property
+    def bench_ready(self) -> bool:
+        """Whether `ckgen bench` times the op: its class overrides `bench_callables`."""
+        return type(self).bench_callables is not OpSpec.bench_callables
+
+    def explain_fields(self, problem: Any) -> dict[str, Any]:
+        """The keyword fields `ckgen.explain(name, arch=..., **fields)` rebuilds `problem` from
+        (`ckgen bench` records the dispatcher's choice with them). By default the problem
+        dataclass's init fields."""
+        return {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem) if f.init}
+
+    def sanitize_problems(self) -> list[Any]:
+        """Small problems covering the op's variants for tools/sanitize_ops.py (compute-sanitizer):
+        by default, of the default problems, the smallest (by `min_bytes`) of each dtype and layout."""
+        best: dict[tuple[Any, Any], Any] = {}
+        for p in self.default_problems():
+            k = (p.dtype, getattr(p, "layout", None))
+            if k not in best or self.min_bytes(p) < self.min_bytes(best[k]):
+                best[k] = p
+        return list(best.values())

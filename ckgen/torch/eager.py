@@ -21,7 +21,7 @@ no Dynamo, no dispatch mode such as FakeTensorMode, plain CUDA tensors), and wha
 backward goes through (`DoubleBackwardError`, as with the custom ops)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -49,6 +49,24 @@ def _maxpool_fwd_with_indices(x, kernel_size, stride, padding, dilation, ceil_mo
     return ckgen.maxpool2d_fwd(x, kernel_size, stride, padding, dilation, ceil_mode, True)
 
 
+class Kernel(NamedTuple):
+    """One kernel an eager Function runs, under its variant name (`Call.kernel`'s key):
+    - op: the ckgen op the dispatcher is asked about;
+    - run: ckgen's function (it takes the custom op's arguments);
+    - fallback: the custom op whose CUDA implementation (`ops.cuda_<fallback>`) runs where the
+      dispatcher does not serve the call;
+    - fields: the problem fields of the call beyond x's (`ops._not_served`'s keywords)."""
+
+    op: str
+    run: Callable
+    fallback: str
+    fields: Callable[["Call"], dict]
+
+
+# every kernel the Functions below run; the per-op entries sit with their Functions
+KERNELS: dict[str, Kernel] = {}
+
+
 class Call:
     """One eager call signature's decisions (made by `ckgen.torch.functional`, cached there).
 
@@ -67,31 +85,42 @@ class Call:
             setattr(self, name, fields.get(name))
 
     def kernel(self, name: str, x: Tensor, variant: Optional[str] = None) -> Callable:
-        """ckgen's function for op `name` when ckgen's dispatcher serves this call (asked once per
-        `variant`, default `name`: `ops._not_served`), else the custom op's CUDA implementation
-        `ops.cuda_<name>`, which falls back to PyTorch and logs it. Both take the custom op's
-        arguments (the pooling pairs may be tuples)."""
+        """ckgen's function for the kernel `variant` (default `name`; a key of KERNELS) when
+        ckgen's dispatcher serves this call (asked once per variant: `ops._not_served`), else the
+        custom op's CUDA implementation, which falls back to PyTorch and logs it. Both take the
+        custom op's arguments (the pooling pairs may be tuples)."""
         key = variant or name
         ok = self._served.get(key)
         if ok is None:
             ok = self._served[key] = self._ask(key, x) is None
-        if not ok:
-            return getattr(ops, "cuda_" + name)
-        return _maxpool_fwd_with_indices if name == "maxpool2d_fwd_with_indices" else getattr(ckgen, name)
+        k = KERNELS[key]
+        return k.run if ok else getattr(ops, "cuda_" + k.fallback)
 
     def _ask(self, variant: str, x: Tensor) -> Optional[str]:
         if x.device.type != "cuda":  # the CPU test route: the ops' implementations fall back
             return "not a CUDA tensor"
-        if variant.startswith("groupnorm"):
-            return ops._not_served(variant, x, G=self.groups, activation=self.act)
-        pool = dict(kernel=self.k, stride=self.s, padding=self.p, ceil_mode=self.ceil)
-        if variant == "maxpool2d_fwd":
-            return ops._not_served(variant, x, return_indices=False, dilation=self.d, **pool)
-        if variant == "maxpool2d_fwd_with_indices":
-            return ops._not_served("maxpool2d_fwd", x, return_indices=True, dilation=self.d, **pool)
-        if variant in ("maxpool2d_bwd stored", "maxpool2d_bwd recompute"):
-            return ops._not_served("maxpool2d_bwd", x, indices=variant.split()[1], dilation=self.d, **pool)
-        return ops._not_served(variant, x, count_include_pad=self.cip, divisor_override=self.div, **pool)
+        k = KERNELS[variant]
+        return ops._not_served(k.op, x, **k.fields(self))
+
+
+def _gn_fields(call: Call) -> dict:
+    return dict(G=call.groups, activation=call.act)
+
+
+def _pool_fields(call: Call) -> dict:
+    return dict(kernel=call.k, stride=call.s, padding=call.p, ceil_mode=call.ceil)
+
+
+def _max_fields(**extra: Any) -> Callable[[Call], dict]:
+    return lambda call: dict(**extra, dilation=call.d, **_pool_fields(call))
+
+
+def _avg_fields(call: Call) -> dict:
+    return dict(count_include_pad=call.cip, divisor_override=call.div, **_pool_fields(call))
+
+
+KERNELS.update({name: Kernel(name, getattr(ckgen, name), name, _gn_fields) for name in (
+    "groupnorm_fwd", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta")})
 
 
 def groupnorm_forward(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], call: Call, eps: float):
@@ -120,6 +149,16 @@ class GroupNormFn(torch.autograd.Function):
         grads = ops.gn_grads(dy, x, gamma, beta, mean, rstd, call.groups, call.act, *ctx.needs_input_grad[:3],
                              impl=impl)
         return (*grads, None, None)
+
+
+KERNELS.update({
+    "maxpool2d_fwd": Kernel("maxpool2d_fwd", ckgen.maxpool2d_fwd, "maxpool2d_fwd", _max_fields(return_indices=False)),
+    "maxpool2d_fwd_with_indices": Kernel("maxpool2d_fwd", _maxpool_fwd_with_indices, "maxpool2d_fwd_with_indices",
+                                         _max_fields(return_indices=True)),
+    "maxpool2d_bwd stored": Kernel("maxpool2d_bwd", ckgen.maxpool2d_bwd, "maxpool2d_bwd", _max_fields(indices="stored")),
+    "maxpool2d_bwd recompute": Kernel("maxpool2d_bwd", ckgen.maxpool2d_bwd, "maxpool2d_bwd",
+                                      _max_fields(indices="recompute")),
+})
 
 
 def maxpool_forward(x: Tensor, call: Call, store: bool):
@@ -153,6 +192,10 @@ class MaxPoolFn(torch.autograd.Function):
         else:
             bwd = call.kernel("maxpool2d_bwd", x, "maxpool2d_bwd " + ("recompute" if idx is None else "stored"))
         return bwd(ops.grad_like(dy, call.fmt, x.dtype), x, call.k, call.s, call.p, call.d, call.ceil, idx), None, None
+
+
+KERNELS.update({name: Kernel(name, getattr(ckgen, name), name, _avg_fields)
+                for name in ("avgpool2d_fwd", "avgpool2d_bwd")})
 
 
 def avgpool_forward(x: Tensor, call: Call) -> Tensor:

@@ -65,6 +65,23 @@ class AvgPool2dFwd(_PoolOp):
         return {"y": self._logical(p, from_storage(raw["y"], p.dtype), p.OH, p.OW)}
 
 
+    # ---- plug-in hooks: benchmark ----
+    def _explain_extra(self, p: AvgPoolProblem) -> dict[str, Any]:
+        return {"count_include_pad": p.count_include_pad, "divisor_override": p.divisor_override or None}
+
+    def bench_callables(self, p: AvgPoolProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+        """ckgen.avgpool2d_fwd against F.avg_pool2d."""
+        import torch.nn.functional as F
+
+        import ckgen
+
+        x, _, _ = self._bench_x(p, device)
+        k, s, pad, _, ceil = self._bench_args(p)
+        cip, dv = bool(p.count_include_pad), (p.divisor_override or None)
+        return (lambda: ckgen.avgpool2d_fwd(x, k, s, pad, ceil, cip, dv)), \
+            (lambda: F.avg_pool2d(x, k, s, pad, ceil, cip, dv)), "F.avg_pool2d"
+
+
 class AvgPool2dBwd(_PoolBwd):
     name: ClassVar[str] = "avgpool2d_bwd"
     tune_options: ClassVar[tuple[str, ...]] = AvgPool2dFwd.tune_options
@@ -76,6 +93,23 @@ class AvgPool2dBwd(_PoolBwd):
     _extra_cli = AvgPool2dFwd._extra_cli
     _name_flags = AvgPool2dFwd._name_flags
     _context_flags = AvgPool2dFwd._context_flags
+    _explain_extra = AvgPool2dFwd._explain_extra
+
+    def bench_callables(self, p: AvgPoolProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+        """ckgen.avgpool2d_bwd against aten's avg_pool2d_backward."""
+        import torch
+        import torch.nn.functional as F
+
+        import ckgen
+
+        aten = torch.ops.aten
+        x, dt, fmt = self._bench_x(p, device)
+        k, s, pad, _, ceil = self._bench_args(p)
+        cip, dv = bool(p.count_include_pad), (p.divisor_override or None)
+        y = F.avg_pool2d(x, k, s, pad, ceil, cip, dv)
+        dy = torch.randn(y.shape, device=device).to(dt).contiguous(memory_format=fmt)
+        return (lambda: ckgen.avgpool2d_bwd(dy, x, k, s, pad, ceil, cip, dv)), \
+            (lambda: aten.avg_pool2d_backward(dy, x, k, s, pad, ceil, cip, dv)), "avg_pool2d_backward"
 
     def min_bytes(self, p: AvgPoolProblem) -> int:
         return (p.out_numel + p.numel) * DTYPES[p.dtype]["itemsize"]

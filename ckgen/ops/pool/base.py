@@ -11,6 +11,7 @@ from ...space import load_space
 from ...types import DTYPES, INT32_MAX, Config, Launch, Support, Target
 from ..numeric import to_storage
 from ..spec import OpSpec, full_shapes, layered_validate, problem_of
+from .hooks import PoolHooks
 from .problem import PoolProblem, cover_extent, covering
 from .vector import VectorChecks
 
@@ -29,7 +30,7 @@ def _cdiv(a: int, b: int) -> int:
 _STORAGE_BITS = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
 
 
-class _PoolOp(VectorChecks, OpSpec):
+class _PoolOp(VectorChecks, PoolHooks, OpSpec):
     """What the four pooling ops share: problems, layouts, packing, launch shape, naming."""
 
     name: ClassVar[str]

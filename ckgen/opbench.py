@@ -70,11 +70,12 @@ def callables(op_name: str, p: Any, device: str = "cuda") -> tuple[Callable[[], 
     """(ckgen call, eager call, what eager runs) on fresh inputs for problem p, on `device` (the
     ckgen call runs on a GPU only; the eager one anywhere, which the CPU tests use): the op's
     `bench_callables`."""
+    from .api import functions
     from .ops import get_op
 
     if op_name not in OPS:
         raise ValueError(f"op: {op_name!r} is not one of {', '.join(OPS)}")
-    return get_op(op_name).bench_callables(p, device)
+    return get_op(op_name).bench_callables(p, device, functions.get(op_name))
 
 
 def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, log=print) -> Path:

@@ -210,7 +210,7 @@ class ChScale(OpSpec):
         return (abs(math.log(a.numel / b.numel)) + abs(math.log(a.C / b.C))
                 + 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype))
 
-    def bench_callables(self, p: ChScaleProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+    def bench_callables(self, p: ChScaleProblem, device: str = "cuda", call: Any = None) -> tuple[Any, Any, str]:
         """`chscale` against PyTorch's broadcast product."""
         import torch
 

@@ -17,8 +17,14 @@ from ..dispatch import Choice, dispatcher
 from ..ops import get_op
 from ..types import Target
 from . import groupnorm, pooling
+from .groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
+from .pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
 
 planners: dict[str, Callable[..., tuple[Any, tuple[int, ...]]]] = {**groupnorm.planners, **pooling.planners}
+#: each op's public function by op name (`ckgen bench` hands it to the op's `bench_callables`)
+functions: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
+    groupnorm_fwd, groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta,
+    maxpool2d_fwd, maxpool2d_bwd, avgpool2d_fwd, avgpool2d_bwd)}
 
 
 def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:

@@ -398,7 +398,7 @@ class _GroupNormBwd(GroupNormOp):
 
 
     # ---- plug-in hooks: benchmark, sanitizer ----
-    def bench_callables(self, p: GroupNormProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+    def bench_callables(self, p: GroupNormProblem, device: str = "cuda", call: Any = None) -> tuple[Any, Any, str]:
         """ckgen's backward against aten's native_group_norm_backward (after silu_backward for
         swish), its output mask asking for what this op computes (dx, dgamma/dbeta or all three);
         channels-last: the autograd of F.group_norm for those gradients (the native op takes NCHW
@@ -406,7 +406,6 @@ class _GroupNormBwd(GroupNormOp):
         import torch
         import torch.nn.functional as F
 
-        import ckgen
 
         aten = torch.ops.aten
         x, gamma, beta, fmt = self._bench_inputs(p, device)
@@ -419,7 +418,7 @@ class _GroupNormBwd(GroupNormOp):
         mean32, rstd32 = mean.float(), rstd.float()
         mask = [self.want_dx, self.want_dgb, self.want_dgb]  # native_group_norm_backward's output mask
         what = "" if self.want_dx and self.want_dgb else f" ({', '.join(self.outputs)})"
-        fn = getattr(ckgen, self.name)
+        fn = call
 
         if self.want_dx:
             def ours():

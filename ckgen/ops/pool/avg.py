@@ -69,16 +69,15 @@ class AvgPool2dFwd(_PoolOp):
     def _explain_extra(self, p: AvgPoolProblem) -> dict[str, Any]:
         return {"count_include_pad": p.count_include_pad, "divisor_override": p.divisor_override or None}
 
-    def bench_callables(self, p: AvgPoolProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+    def bench_callables(self, p: AvgPoolProblem, device: str = "cuda", call: Any = None) -> tuple[Any, Any, str]:
         """ckgen.avgpool2d_fwd against F.avg_pool2d."""
         import torch.nn.functional as F
 
-        import ckgen
 
         x, _, _ = self._bench_x(p, device)
         k, s, pad, _, ceil = self._bench_args(p)
         cip, dv = bool(p.count_include_pad), (p.divisor_override or None)
-        return (lambda: ckgen.avgpool2d_fwd(x, k, s, pad, ceil, cip, dv)), \
+        return (lambda: call(x, k, s, pad, ceil, cip, dv)), \
             (lambda: F.avg_pool2d(x, k, s, pad, ceil, cip, dv)), "F.avg_pool2d"
 
 
@@ -95,12 +94,11 @@ class AvgPool2dBwd(_PoolBwd):
     _context_flags = AvgPool2dFwd._context_flags
     _explain_extra = AvgPool2dFwd._explain_extra
 
-    def bench_callables(self, p: AvgPoolProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+    def bench_callables(self, p: AvgPoolProblem, device: str = "cuda", call: Any = None) -> tuple[Any, Any, str]:
         """ckgen.avgpool2d_bwd against aten's avg_pool2d_backward."""
         import torch
         import torch.nn.functional as F
 
-        import ckgen
 
         aten = torch.ops.aten
         x, dt, fmt = self._bench_x(p, device)
@@ -108,7 +106,7 @@ class AvgPool2dBwd(_PoolBwd):
         cip, dv = bool(p.count_include_pad), (p.divisor_override or None)
         y = F.avg_pool2d(x, k, s, pad, ceil, cip, dv)
         dy = torch.randn(y.shape, device=device).to(dt).contiguous(memory_format=fmt)
-        return (lambda: ckgen.avgpool2d_bwd(dy, x, k, s, pad, ceil, cip, dv)), \
+        return (lambda: call(dy, x, k, s, pad, ceil, cip, dv)), \
             (lambda: aten.avg_pool2d_backward(dy, x, k, s, pad, ceil, cip, dv)), "avg_pool2d_backward"
 
     def min_bytes(self, p: AvgPoolProblem) -> int:

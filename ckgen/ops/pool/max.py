@@ -82,16 +82,15 @@ class MaxPool2dFwd(_PoolOp):
     def _explain_extra(self, p: MaxPoolFwdProblem) -> dict[str, Any]:
         return {"dilation": p.dilation, "return_indices": p.return_indices}
 
-    def bench_callables(self, p: MaxPoolFwdProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+    def bench_callables(self, p: MaxPoolFwdProblem, device: str = "cuda", call: Any = None) -> tuple[Any, Any, str]:
         """ckgen.maxpool2d_fwd against F.max_pool2d (with indices if the problem has them)."""
         import torch.nn.functional as F
 
-        import ckgen
 
         x, _, _ = self._bench_x(p, device)
         k, s, pad, d, ceil = self._bench_args(p)
         ri = bool(p.return_indices)
-        return (lambda: ckgen.maxpool2d_fwd(x, k, s, pad, d, ceil, return_indices=ri)), \
+        return (lambda: call(x, k, s, pad, d, ceil, return_indices=ri)), \
             (lambda: F.max_pool2d(x, k, s, pad, d, ceil_mode=ceil, return_indices=ri)), "F.max_pool2d"
 
 
@@ -114,13 +113,12 @@ class MaxPool2dBwd(_PoolBwd):
     def _explain_extra(self, p: MaxPoolBwdProblem) -> dict[str, Any]:
         return {"dilation": p.dilation, "indices": p.indices}
 
-    def bench_callables(self, p: MaxPoolBwdProblem, device: str = "cuda") -> tuple[Any, Any, str]:
+    def bench_callables(self, p: MaxPoolBwdProblem, device: str = "cuda", call: Any = None) -> tuple[Any, Any, str]:
         """ckgen.maxpool2d_bwd (stored indices or recomputed) against aten's
         max_pool2d_with_indices_backward."""
         import torch
         import torch.nn.functional as F
 
-        import ckgen
 
         aten = torch.ops.aten
         x, dt, fmt = self._bench_x(p, device)
@@ -128,7 +126,7 @@ class MaxPool2dBwd(_PoolBwd):
         y, idx = F.max_pool2d(x, k, s, pad, d, ceil_mode=ceil, return_indices=True)
         dy = torch.randn(y.shape, device=device).to(dt).contiguous(memory_format=fmt)
         ind = idx if p.indices == "stored" else None
-        return (lambda: ckgen.maxpool2d_bwd(dy, x, k, s, pad, d, ceil, indices=ind)), \
+        return (lambda: call(dy, x, k, s, pad, d, ceil, indices=ind)), \
             (lambda: aten.max_pool2d_with_indices_backward(dy, x, k, s, pad, d, ceil, idx)), \
             "max_pool2d_with_indices_backward"
 

@@ -22,7 +22,7 @@ MARGINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, math.inf)
 
 def rows(shard: int, nshards: int) -> None:
     from ckgen import model as cm
-    from ckgen import records
+    from ckgen.model import records
     from ckgen.ops import get_op
     from ckgen.ops.spec import Target
 

@@ -17,7 +17,8 @@ OPS: comma-separated, or "all". Prints one line per variant and op family."""
 import sys, math, random, collections, importlib
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ckgen import model as cm, records
+from ckgen import model as cm
+from ckgen.model import records
 from ckgen.model import features as F
 fitmod=importlib.import_module('ckgen.model.fit')  # the module (ckgen.model.fit is the function)
 from ckgen.ops.pool.bwd import _PoolBwd

@@ -94,7 +94,7 @@ def margins(recs, subsets: int = 30) -> None:
     from ckgen import model as cm
     from ckgen.ops import get_op
     from ckgen.ops.spec import Target
-    from ckgen.records import by_problem
+    from ckgen.model.records import by_problem
 
     def pick(model, op, p, target, winners, ok, timed, m):
         cands, near = cm.candidate_tiers(op, p, target, winners, ok)
@@ -154,12 +154,12 @@ def main() -> int:
                     help="the wide tier's margin (ckgen.model.WIDE_MARGIN): all problems and the sweeps per margin")
     args = ap.parse_args()
     if args.margins:
-        from ckgen import records
+        from ckgen.model import records
 
         margins(records.read(records.packaged_records_path()))
         return 0
     if args.all:
-        from ckgen import records
+        from ckgen.model import records
 
         recs = records.read(records.packaged_records_path())
         res = all_problems(recs, as_dispatched=not args.reach)
@@ -172,7 +172,7 @@ def main() -> int:
         print("\n".join(summarize(res, ("model", "near_only", "nearest", "default", "oracle"))))
         return 0
     from ckgen import model as cm
-    from ckgen import records
+    from ckgen.model import records
     from ckgen.ops import get_op
     from ckgen.ops.spec import Target
 
@@ -211,7 +211,7 @@ def pairs(recs) -> None:
     from ckgen.ops.spec import Config, Target
 
     right: dict[str, list[bool]] = {}
-    for (op_name, arch, key), rs in __import__("ckgen.records", fromlist=["by_problem"]).by_problem(recs):
+    for (op_name, arch, key), rs in __import__("ckgen.model.records", fromlist=["by_problem"]).by_problem(recs):
         win = [r for r in rs if r["phase"] == "winner"]
         dft = [r for r in rs if r["phase"] == "default"]
         if not win or not dft or win[0]["config"] == dft[0]["config"]:

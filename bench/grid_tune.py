@@ -84,10 +84,10 @@ def main() -> int:
             print(p.key())
         print(f"{len(problems)} problems ({dropped} left out: held-out shapes)", file=sys.stderr)
         return 0
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
     from ckgen import settings
-    from ckgen.target import device_info
-    from ckgen.tune import TuneRequest, db_entry, tune_problem
+    from ckgen.runtime.target import device_info
+    from ckgen.tuner.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     arch = info.target.arch

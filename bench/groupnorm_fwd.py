@@ -29,12 +29,12 @@ def main() -> int:
     import torch.nn.functional as F
 
     import ckgen
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
     from ckgen import settings
-    from ckgen.bench import Timer, host_cells
+    from ckgen.runtime.bench import Timer, host_cells
     from ckgen.ops import get_op
-    from ckgen.target import device_info
-    from ckgen.tune import TuneRequest, db_entry, tune_problem
+    from ckgen.runtime.target import device_info
+    from ckgen.tuner.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     op = get_op("groupnorm_fwd")

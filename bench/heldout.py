@@ -148,8 +148,8 @@ def _first(v: Any) -> Any:
 def _tune_own_best(cases, args, info, log) -> dict[tuple[str, str], Any]:
     """Tune every case not yet in --tuned-db, or whose entry there is stale (its template changed since),
     within --tune-budget seconds; {(op, key): entry}."""
-    from ckgen import db as dbmod
-    from ckgen.tune import TuneRequest, db_entry, tune_problem
+    from ckgen.runtime import db as dbmod
+    from ckgen.tuner.tune import TuneRequest, db_entry, tune_problem
 
     path = Path(args.tuned_db)
     t0 = time.monotonic()
@@ -192,8 +192,8 @@ def main() -> int:
     import torch
 
     import ckgen
-    from ckgen.bench import Timer, gbps
-    from ckgen.target import device_info
+    from ckgen.runtime.bench import Timer, gbps
+    from ckgen.runtime.target import device_info
 
     from reports import report_stem  # bench/reports.py
 

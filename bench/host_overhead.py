@@ -71,8 +71,8 @@ def main() -> int:
     import torch.nn.functional as F
 
     import ckgen
-    from ckgen.bench import Timer
-    from ckgen.target import device_info
+    from ckgen.runtime.bench import Timer
+    from ckgen.runtime.target import device_info
 
     info = device_info(None)
     timer = Timer(info.l2_bytes, warmup=5, runs=30)
@@ -177,7 +177,7 @@ def main() -> int:
             print(f"{name}: graph capture failed: {e.__class__.__name__}: {e}", file=sys.stderr)
         choice = plan = None
         try:
-            from ckgen.api import planners
+            from ckgen.runtime.api import planners
 
             op = name.split()[0]
             plan = planners[op](*{"groupnorm_fwd": (x, gamma, beta, G),
@@ -241,8 +241,8 @@ def breakdown(x, gamma, beta, G, calls, sync) -> None:
     """Time the pieces of one groupnorm_fwd call (printed only; to see where the time goes)."""
     import torch
 
-    from ckgen.api import groupnorm as gn
-    from ckgen.tensors import sig
+    from ckgen.runtime.api import groupnorm as gn
+    from ckgen.runtime.tensors import sig
 
     plan, ins = gn._plan_fwd(x, gamma, beta, G)
     dev = x.device

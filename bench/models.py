@@ -621,11 +621,11 @@ def numerics(base, conv, x, dtype) -> dict:
 def tune_rows(rows: list[Row], trials: int, device, dtype_name: str) -> None:
     """Tune the GroupNorm problems of the ResBlock rows that the DB lacks (fwd with swish, bwd)."""
     import ckgen
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
     from ckgen import settings
     from ckgen.ops import get_op
-    from ckgen.target import device_info
-    from ckgen.tune import TuneRequest, db_entry, tune_problem
+    from ckgen.runtime.target import device_info
+    from ckgen.tuner.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(device.index or 0)
     for row in rows:

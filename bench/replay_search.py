@@ -1,5 +1,5 @@
 """Compare the tuner's samplers on recorded exhaustive sweeps, no GPU needed: a `tune.Tuner`'s search runs
-against the recorded times of every committed sweep (ckgen/replay.py), many seeds per cell, and
+against the recorded times of every committed sweep (ckgen/tuner/replay.py), many seeds per cell, and
 the table tells how close the best config found comes to the exhaustive best.
 
     python bench/replay_search.py [--sweeps tests/data/sweeps] [--samplers gp,tpe,random]
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cell(sw, cell: tuple[str, int, int], seeds: int) -> tuple[list[float], float]:
     """One (sampler, ahead, trials) cell of a sweep: every seed's best found / best, and the seconds."""
-    from ckgen.replay import replay
+    from ckgen.tuner.replay import replay
 
     sampler, ahead, trials = cell
     t0 = time.monotonic()
@@ -34,7 +34,7 @@ def _cell(sw, cell: tuple[str, int, int], seeds: int) -> tuple[list[float], floa
 def _sweep_cells(path: str, cells: list[tuple[str, int, int]], seeds: int) -> dict:
     """Every cell of one sweep, in a worker process (--jobs)."""
     sys.path.insert(0, str(ROOT))
-    from ckgen.replay import load_sweep
+    from ckgen.tuner.replay import load_sweep
 
     sw = load_sweep(path)
     return {cell: _cell(sw, cell, seeds) for cell in cells}
@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="sweeps replayed at once, one process each")
     ap.add_argument("--out", help="also write the table here (markdown)")
     a = ap.parse_args()
-    from ckgen.replay import sweeps
+    from ckgen.tuner.replay import sweeps
 
     sws = sweeps(a.sweeps)
     lines = [f"Replayed search: best found / exhaustive best over {a.seeds} seeds per cell; "

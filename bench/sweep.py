@@ -29,7 +29,7 @@ def sweep_name(op, p) -> str:
 
 
 def write(path: Path, doc: dict) -> None:
-    """Atomically, gzipped (ckgen.replay reads .json and .json.gz): an interrupted sweep leaves
+    """Atomically, gzipped (ckgen.tuner.replay reads .json and .json.gz): an interrupted sweep leaves
     the last complete chunk behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -54,11 +54,11 @@ def main() -> int:
     ap.add_argument("--out", help="write sweep-<op>-<layout>-<NxCxHxW>-<key digest>.json.gz here")
     ap.add_argument("--chunk", type=int, default=256, help="configs per resumable chunk (with --out)")
     a = ap.parse_args()
-    from ckgen.bench import Timer
+    from ckgen.runtime.bench import Timer
     from ckgen.ops import get_op
-    from ckgen.target import device_info
-    from ckgen.tune import Objective, TrialFailed
-    from ckgen.verify import Harness
+    from ckgen.runtime.target import device_info
+    from ckgen.tuner.tune import Objective, TrialFailed
+    from ckgen.runtime.verify import Harness
 
     info = device_info(None)
     op = get_op(a.op)
@@ -85,7 +85,7 @@ def main() -> int:
     rows: list = []
     failed: list = []
     if path is not None and exhaustive and path.is_file():  # resume a partial sweep
-        from ckgen.replay import read_sweep_doc
+        from ckgen.tuner.replay import read_sweep_doc
 
         done = read_sweep_doc(path)
         if done.get("problem") == p.key() and done.get("arch") == info.target.arch:

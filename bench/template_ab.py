@@ -21,14 +21,14 @@ from pathlib import Path
 def run(a) -> int:
     import yaml
 
-    from ckgen.bench import Timer
-    from ckgen.compile import compile_many
+    from ckgen.runtime.bench import Timer
+    from ckgen.runtime.compile import compile_many
     from ckgen.instance import render_instance
     from ckgen.ops import get_op
-    from ckgen.target import device_info
-    from ckgen.tune import Objective, TrialFailed
+    from ckgen.runtime.target import device_info
+    from ckgen.tuner.tune import Objective, TrialFailed
     from ckgen.types import Config
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     info = device_info(None)
     ops = set(a.ops.split(",")) if a.ops else None

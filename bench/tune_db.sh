@@ -45,7 +45,7 @@ for item in "${ITEMS[@]}"; do
 done
 python3 - "$db" <<'PY'
 import collections, sys
-from ckgen.db import InstanceDB
+from ckgen.runtime.db import InstanceDB
 entries = InstanceDB.load(sys.argv[1]).entries
 print(f"{sys.argv[1]}: {len(entries)} entries;", dict(collections.Counter(e.op for e in entries)))
 PY

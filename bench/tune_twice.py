@@ -35,11 +35,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--limit", type=int, default=0, help="only the first N problems (0: all)")
     args = ap.parse_args()
-    from ckgen import tune
-    from ckgen.bench import Timer
+    from ckgen.tuner import tune
+    from ckgen.runtime.bench import Timer
     from ckgen.ops import get_op
-    from ckgen.target import device_info
-    from ckgen.verify import Harness
+    from ckgen.runtime.target import device_info
+    from ckgen.runtime.verify import Harness
 
     info = device_info()
     out = Path(args.out)

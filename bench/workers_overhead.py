@@ -37,10 +37,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckgen import tune  # noqa: E402
-from ckgen import workers as wk  # noqa: E402
-from ckgen.bench import Timing  # noqa: E402
-from ckgen.target import DeviceInfo  # noqa: E402
+from ckgen.tuner import tune  # noqa: E402
+from ckgen.tuner import workers as wk  # noqa: E402
+from ckgen.runtime.bench import Timing  # noqa: E402
+from ckgen.runtime.target import DeviceInfo  # noqa: E402
 from ckgen.types import Target  # noqa: E402
 
 DEVICE = "stand-in GPU"
@@ -70,7 +70,7 @@ class StandinHarness:
         self.inputs, self.ref, self.dev_in = harness_host_work(op, problem, seed, eps)
 
     def runner(self, src: Any, config: Any, target: Any) -> Any:
-        from ckgen.compile import ensure_cubin
+        from ckgen.runtime.compile import ensure_cubin
 
         ensure_cubin(src, target)  # what load_kernel reads (compiled here if the pool did not)
 
@@ -81,7 +81,7 @@ class StandinHarness:
         return run
 
     def check(self, run: Any, widen: Any = None) -> Any:
-        from ckgen.verify import Check
+        from ckgen.runtime.verify import Check
 
         return Check(True, "stand-in")
 
@@ -136,14 +136,14 @@ def fresh_env(root: Path) -> None:
     os.environ["CKGEN_KERNEL_CACHE"] = str(root / "kernels")
     os.environ["CKGEN_DB"] = str(root / "cache" / "instances.yaml")
     os.environ["CKGEN_SHIPPED_DB"] = str(root / "no-shipped-db.yaml")  # see the module's doc
-    from ckgen import dispatch
+    from ckgen.runtime import dispatch
 
     dispatch.dispatcher().reload()
 
 
 def one_process(op: Any, problems: list[Any], trials: int) -> float:
     """`ckgen tune`'s loop (cli.cmd_tune): tune_problem, then the entry into the DB."""
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
     from ckgen import settings
 
     tune.Harness, tune.Timer, tune.provenance = StandinHarness, StandinTimer, standin_provenance  # type: ignore
@@ -152,7 +152,7 @@ def one_process(op: Any, problems: list[Any], trials: int) -> float:
     for p in problems:
         r = tune.tune_problem(tune.TuneRequest.on(op, p, info, trials=trials, storage=storage, seed=0), info)
         dbmod.save_entries(os.environ["CKGEN_DB"], [tune.db_entry(r, info)])
-    from ckgen.compile import close_pool
+    from ckgen.runtime.compile import close_pool
 
     close_pool()  # its processes' exit is part of the run (the CLI's exit)
     return time.monotonic() - t0
@@ -182,7 +182,7 @@ def workers_run(op: Any, problems: list[Any], trials: int, gpu_s: float) -> tupl
 def in_process_worker(op: Any, problems: list[Any], trials: int, gpu_s: float) -> None:
     """The worker's loop (`_Worker.run`) in this process, for the profiler."""
     from ckgen import settings
-    from ckgen.compile import close_pool
+    from ckgen.runtime.compile import close_pool
 
     spec = wk.RunSpec(op.name, tuple(p.key() for p in problems), trials, settings.study_storage_url(),
                       db=os.environ["CKGEN_DB"], backend=StandinBackend(gpu_s))

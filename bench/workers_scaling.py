@@ -82,9 +82,9 @@ def main() -> int:
     ap.add_argument("--runs", default="one,1,auto", help="comma-separated: one (no --workers), N, auto")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
-    from ckgen import workers as wk
-    from ckgen.compile import cpu_count
-    from ckgen.target import device_info
+    from ckgen.tuner import workers as wk
+    from ckgen.runtime.compile import cpu_count
+    from ckgen.runtime.target import device_info
 
     gpus = len(wk.visible_devices())
     if gpus == 0:

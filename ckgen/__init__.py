@@ -12,17 +12,17 @@ from __future__ import annotations
 
 from ._version import __version__
 
-from .api.groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
-from .api.pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
-from .api import explain
-from .online import tuning
-from .tensors import bfloat16
+from .runtime.api.groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
+from .runtime.api.pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
+from .runtime.api import explain
+from .tuner.online import tuning
+from .runtime.tensors import bfloat16
 
 
 def reload_db() -> None:
     """Forget the loaded instance DBs, cached choices and launch plans (a DB written by this
     process does this by itself; call it after another process wrote the DB)."""
-    from .dispatch import dispatcher
+    from .runtime.dispatch import dispatcher
 
     dispatcher().reload()
 

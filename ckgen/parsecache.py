@@ -3,7 +3,7 @@
 The packaged instance DB (YAML, ~1 MB) and cost model (JSON, ~2.3 MB) cost an unseen problem's
 first call over half a second of CPU to parse and check: the DB's entries are built by PyYAML's
 constructor and each problem key is parsed by its op, the model's residual tables are ~250,000
-JSON numbers. The readers (ckgen/db.py, ckgen/model/parsed.py) keep what they made of a file in
+JSON numbers. The readers (ckgen/runtime/db.py, ckgen/model/parsed.py) keep what they made of a file in
 `<cache dir>/<kind>-parsed/<key>.json`, in a form that loads in a few ms, and take it from there
 the next time the same bytes are read.
 

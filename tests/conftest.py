@@ -36,7 +36,7 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where a GPU is usable; elsewhere they are skipped with the reason."""
-    from ckgen.target import gpu_status
+    from ckgen.runtime.target import gpu_status
 
     why = gpu_status()
     if why is None:
@@ -64,8 +64,8 @@ def _isolated_db(tmp_path, monkeypatch):
     # Nor online tuning (test_online.py turns it on), and nothing tried by another test counts.
     for name in ("CKGEN_TUNE", "CKGEN_TUNE_TRIALS", "CKGEN_TUNE_MAX_S"):
         monkeypatch.delenv(name, raising=False)
-    from ckgen import online
-    from ckgen.dispatch import dispatcher
+    from ckgen.tuner import online
+    from ckgen.runtime.dispatch import dispatcher
 
     online.reset()
     dispatcher().reload()  # the DB paths changed: no choice or launch plan of another test's DB

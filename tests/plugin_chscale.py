@@ -224,9 +224,9 @@ class ChScale(OpSpec):
 def chscale(x: Any, s: Any) -> Any:
     """The public function: y = x * s[c] for a CuPy array or torch CUDA tensor x (N, C, H, W; NCHW
     or channels-last) and s (C,) of x's dtype, through ckgen's dispatcher; y in x's layout."""
-    from ckgen.dispatch import Output, plan_for
+    from ckgen.runtime.dispatch import Output, plan_for
     from ckgen.ops import get_op
-    from ckgen.tensors import as_device_tensor, layout_of
+    from ckgen.runtime.tensors import as_device_tensor, layout_of
 
     xt, st = as_device_tensor(x, "x"), as_device_tensor(s, "s")
     layout = layout_of(xt, "x")

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 import ckgen
-from ckgen.api import groupnorm as api_gn
-from ckgen.dispatch import Dispatcher
+from ckgen.runtime.api import groupnorm as api_gn
+from ckgen.runtime.dispatch import Dispatcher
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
 
@@ -95,7 +95,7 @@ def test_no_config_says_the_most_common_reasons():
 def cpu_as_device(monkeypatch):
     """The public GroupNorm forward's checks on CPU torch tensors: as_device_tensor takes them
     as device tensors, and the plan is a stub (nothing is compiled or launched)."""
-    from ckgen import tensors
+    from ckgen.runtime import tensors
 
     real = tensors.as_device_tensor
     dtypes = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}

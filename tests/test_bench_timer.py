@@ -6,16 +6,16 @@ import hashlib
 
 import pytest
 
-from ckgen.bench import _FLUSH_SRC, _SPIN_SRC, Timer, Timing, spin_ns
+from ckgen.runtime.bench import _FLUSH_SRC, _SPIN_SRC, Timer, Timing, spin_ns
 from ckgen.codegen import KernelSource
-from ckgen.compile import compile_offline, cubin_resources
+from ckgen.runtime.compile import compile_offline, cubin_resources
 from ckgen.ops.spec import Target
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name,code", [("timer_l2_flush", _FLUSH_SRC), ("timer_spin", _SPIN_SRC)])
 def test_timer_kernels_compile_offline(arch: str, name: str, code: str) -> None:
-    src = KernelSource(name, code, hashlib.sha256(code.encode()).hexdigest(), "ckgen/bench.py")
+    src = KernelSource(name, code, hashlib.sha256(code.encode()).hexdigest(), "ckgen/runtime/bench.py")
     b = compile_offline(src, Target.named(arch))
     assert name.encode() in b.cubin
     res = cubin_resources(b.cubin)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from ckgen import db as dbmod
+from ckgen.runtime import db as dbmod
 from ckgen.instance import render_instance
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Target
-from ckgen.target import gpu_status
+from ckgen.runtime.target import gpu_status
 
 REPO = Path(__file__).resolve().parents[1]
 OP = get_op("groupnorm_fwd")
@@ -273,13 +273,13 @@ def test_bench_rejects_unknown_ops(inproc) -> None:
 
 def test_bench_covers_every_op(inproc, monkeypatch) -> None:
     """`ckgen bench` has a suite for every op, and --ops takes each of them (up to the GPU check)."""
-    import ckgen.target
-    from ckgen.opbench import OPS
+    import ckgen.runtime.target
+    from ckgen.offline.opbench import OPS
     from ckgen.ops import all_ops
 
     assert sorted(OPS) == sorted(o.name for o in all_ops())
     pytest.importorskip("torch")
-    monkeypatch.setattr(ckgen.target, "gpu_status", lambda: "faked: none here")
+    monkeypatch.setattr(ckgen.runtime.target, "gpu_status", lambda: "faked: none here")
     for op in OPS:
         code, out, err = inproc("bench", "--ops", op)
         assert code == 2 and err.strip() == "ckgen bench: no usable GPU (faked: none here)", (op, err)
@@ -293,7 +293,7 @@ def test_bench_eager_sides_on_cpu(layout: str) -> None:
     torch = pytest.importorskip("torch")
     import dataclasses
 
-    from ckgen.opbench import OPS, callables, suite
+    from ckgen.offline.opbench import OPS, callables, suite
 
     shapes = {"groupnorm": (2, 8, 6, 6), "maxpool2d": (2, 4, 9, 9), "avgpool2d": (2, 4, 9, 9)}
     outputs = {"groupnorm_fwd": 1, "groupnorm_bwd": 3, "groupnorm_bwd_data": 1, "groupnorm_bwd_gamma_beta": 2}
@@ -325,7 +325,7 @@ def test_bench_eager_sides_on_cpu(layout: str) -> None:
 def test_bench_suites_and_explain_fields() -> None:
     """Every suite problem maps to the fields `explain` takes (no GPU needed to check that)."""
     import ckgen
-    from ckgen.opbench import OPS, _explain_fields, suite
+    from ckgen.offline.opbench import OPS, _explain_fields, suite
 
     for op in OPS:
         full, quick = suite(op, False), suite(op, True)
@@ -339,7 +339,7 @@ def test_bench_report_from_rows(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from ckgen.opbench import write
+    from ckgen.offline.opbench import write
 
     rows = [{"op": "groupnorm_fwd", "problem": "N=2,C=320", "source": "tuned", "eager_kind": "F.group_norm",
              "ckgen_gpu_us": 10.0, "eager_gpu_us": 30.0, "compile_gpu_us": 20.0,
@@ -491,7 +491,7 @@ def test_db_pull_from_a_folder_that_takes_no_lock_file_fails_at_once(inproc, tmp
     that takes no new file, even for root.)"""
     import time
 
-    from ckgen import tune
+    from ckgen.tuner import tune
 
     monkeypatch.setattr(tune, "SQLITE_BUSY_S", 3)  # bounds the run before the fix
     t0 = time.monotonic()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ckgen import cli
-from ckgen import db as dbmod
-from ckgen import target as target_mod
+from ckgen.runtime import db as dbmod
+from ckgen.runtime import target as target_mod
 from ckgen.instance import render_instance
 from ckgen.ops import all_ops, get_op
 from ckgen.types import Target
@@ -135,7 +135,7 @@ def test_output_layouts_on_made_up_sheets() -> None:
     the first identifier leads its record when none is left on the row's line."""
     from rich.console import Console
 
-    from ckgen.output import Col, Sheet, to_rich
+    from ckgen.cli.output import Col, Sheet, to_rich
 
     sheet = Sheet("rows", "a title that is long enough to wrap between its words", (
         Col("name", ident=True), Col("about"), Col("n", number=True)))
@@ -318,7 +318,7 @@ def test_retune_progress_in_a_log_is_one_line_per_problem(run, fake_gpu, tmp_pat
 @pytest.fixture
 def quick_builds(monkeypatch):
     """library.build without a compiler: every instance 'builds' at once, one of them fails."""
-    from ckgen import library
+    from ckgen.offline import library
 
     def fake(inst):
         ok = not inst.source.name.endswith(("_m4", "_br2_m2"))
@@ -329,7 +329,7 @@ def quick_builds(monkeypatch):
 
 
 def test_generate_progress_in_a_log_and_its_summary(run, tmp_path: Path, quick_builds) -> None:
-    from ckgen import library
+    from ckgen.offline import library
 
     out_dir = tmp_path / "g"
     code, out, err = run("generate", "--ops", "maxpool2d_fwd,avgpool2d_fwd", "--target", "sm_90,gfx90a", "--defaults",

@@ -15,10 +15,10 @@ import pytest
 from rich.console import Console
 
 from ckgen import cli
-from ckgen import db as dbmod
+from ckgen.runtime import db as dbmod
 from ckgen.instance import render_instance
 from ckgen.ops import all_ops, get_op
-from ckgen.output import Col, Sheet, to_json, to_rich, to_tsv
+from ckgen.cli.output import Col, Sheet, to_json, to_rich, to_tsv
 from ckgen.types import Target
 
 from test_cli import REPO, make_entries, run_sub, tsv
@@ -172,13 +172,13 @@ BAD = [
 
 @pytest.mark.parametrize("argv,option", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_option_is_one_line_naming_it_before_the_gpu_check(run, monkeypatch, argv, option) -> None:
-    import ckgen.target
+    import ckgen.runtime.target
 
     def no(*a, **k):
         raise AssertionError("the GPU was looked at before the options were checked")
 
-    monkeypatch.setattr(ckgen.target, "gpu_status", no)
-    monkeypatch.setattr(ckgen.target, "device_info", no)
+    monkeypatch.setattr(ckgen.runtime.target, "gpu_status", no)
+    monkeypatch.setattr(ckgen.runtime.target, "device_info", no)
     code, out, err = run(*argv)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and out == ""
@@ -383,7 +383,7 @@ def test_without_cupy_generate_and_tune_say_what_to_install(tmp_path: Path) -> N
 def test_without_cupy_the_api_says_what_to_install(tmp_path: Path) -> None:
     code = """
 import ckgen
-from ckgen.target import CuPyMissingError, NoGPUError
+from ckgen.runtime.target import CuPyMissingError, NoGPUError
 class Dev:
     __cuda_array_interface__ = {"shape": (2, 32, 4, 4), "typestr": "<f4", "data": (0, False), "version": 3}
 try:
@@ -410,14 +410,14 @@ except NoGPUError as e:
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """A usable 'GPU' whose tune_problem returns made-up results at once."""
-    import ckgen.target
-    import ckgen.tune
-    from ckgen.bench import Timing
-    from ckgen.tune import Measured, TuneResult
+    import ckgen.runtime.target
+    import ckgen.tuner.tune
+    from ckgen.runtime.bench import Timing
+    from ckgen.tuner.tune import Measured, TuneResult
 
-    info = ckgen.target.DeviceInfo(Target.named("sm_90"), "Fake GPU", 132, 50 << 20)
-    monkeypatch.setattr(ckgen.target, "gpu_status", lambda: None)
-    monkeypatch.setattr(ckgen.target, "device_info", lambda i=None: info)
+    info = ckgen.runtime.target.DeviceInfo(Target.named("sm_90"), "Fake GPU", 132, 50 << 20)
+    monkeypatch.setattr(ckgen.runtime.target, "gpu_status", lambda: None)
+    monkeypatch.setattr(ckgen.runtime.target, "device_info", lambda i=None: info)
 
     def tune_problem(request, info, on_trial=None):
         op, p = request.op, request.problem
@@ -433,8 +433,8 @@ def fake_gpu(monkeypatch):
                            config=r.best.config.items, instance=r.best.instance, source_sha256=r.best.sha256,
                            time_us=r.best.timing.median_us, gbps=r.gbps, default_time_us=12.0)
 
-    monkeypatch.setattr(ckgen.tune, "tune_problem", tune_problem)
-    monkeypatch.setattr(ckgen.tune, "db_entry", db_entry)
+    monkeypatch.setattr(ckgen.tuner.tune, "tune_problem", tune_problem)
+    monkeypatch.setattr(ckgen.tuner.tune, "db_entry", db_entry)
     return info
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import wtimes
-from ckgen import db as dbmod
-from ckgen import target as target_mod
-from ckgen import workers as wk
-from ckgen.replay import ReplayBackend, ReplayEvaluator
-from ckgen.tune import Tuner, TuneRequest
+from ckgen.runtime import db as dbmod
+from ckgen.runtime import target as target_mod
+from ckgen.tuner import workers as wk
+from ckgen.tuner.replay import ReplayBackend, ReplayEvaluator
+from ckgen.tuner.tune import Tuner, TuneRequest
 
 OP = wtimes.OP
 
@@ -151,7 +151,7 @@ def test_db_pull_skips_what_one_study_gets_wrong_and_pulls_the_others(inproc, tm
     import optuna
     from optuna.trial import create_trial
 
-    from ckgen.tune import study_name
+    from ckgen.tuner.tune import study_name
     from ckgen.types import Config
 
     storage = f"sqlite:///{tmp_path / 's.sqlite3'}"

@@ -1,4 +1,4 @@
-"""The config cost model (ckgen/model/) and the tuning records (ckgen/records.py), CPU
+"""The config cost model (ckgen/model/) and the tuning records (ckgen/model/records.py), CPU
 tier: the model loads and ranks with no GPU, the dispatcher's model choice is always a valid
 config, a missing or corrupt model file falls back to nearest-tuned with one warning, the
 held-out problems are not in the training records, the tuner seeds from the model and records
@@ -20,11 +20,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings as hsettings, strategies as st
 
 import ckgen
-from ckgen import model as cm, records
+from ckgen import model as cm
+from ckgen.model import records
 from ckgen.model import policy, store
-from ckgen import db as dbmod
+from ckgen.runtime import db as dbmod
 from ckgen import settings
-from ckgen.dispatch import Dispatcher
+from ckgen.runtime.dispatch import Dispatcher
 from ckgen.instance import render_instance
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Config, Target
@@ -341,7 +342,7 @@ def test_split_winners_are_carried_with_their_grid(model_on, monkeypatch):
 
 
 def _patch_where_tune_looks(monkeypatch, name, value):
-    """`name` replaced in ckgen.model, where ckgen/tune.py looks it up."""
+    """`name` replaced in ckgen.model, where ckgen/tuner/tune.py looks it up."""
     from ckgen import model
 
     monkeypatch.setattr(model, name, value)
@@ -351,8 +352,8 @@ def test_the_tuners_seeds_carry_recorded_winners_with_their_grid(model_on, monke
     """`tune.model_picks` hands the model the recorded winners carried with their grid, as the
     dispatcher does with the DB's: a rows winner of batch 8 (16 blocks per sample) reaches the
     batch-1 search at 128 blocks per sample, and the carry is ranked like any candidate."""
-    from ckgen import records as recmod
-    from ckgen import tune
+    from ckgen.model import records as recmod
+    from ckgen.tuner import tune
 
     q = GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc")
     p = GN.parse_problem(N=1, C=8, H=512, W=512, G=2, dtype="bf16", layout="nhwc")
@@ -517,8 +518,8 @@ def test_concurrent_appends_lose_no_record(tmp_path):
 def test_search_seeds_from_the_model_and_records_every_trial(tmp_path):
     """A `tune.Tuner`'s search (what tune_problem runs on the GPU) with a replayed device: the model's picks
     are measured right after the default, and every measured trial is recorded, failures too."""
-    from ckgen.replay import ReplayEvaluator
-    from ckgen.tune import Tuner, TuneRequest
+    from ckgen.tuner.replay import ReplayEvaluator
+    from ckgen.tuner.tune import Tuner, TuneRequest
 
     p = GN.parse_problem(N=8, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc")
     valid = [c for c in GN.space.enumerate() if GN.validate(p, c, SM90)]

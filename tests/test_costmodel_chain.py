@@ -9,8 +9,9 @@ import random
 import pytest
 
 import ckgen
-from ckgen import model as cm, records
-from ckgen.db import InstanceDB
+from ckgen import model as cm
+from ckgen.model import records
+from ckgen.runtime.db import InstanceDB
 from ckgen.ops import get_op
 from ckgen.ops.spec import DTYPES, Config, Target
 

@@ -11,9 +11,9 @@ import pytest
 import ckgen
 from ckgen import model as cm
 from ckgen.model import parsed, policy, store
-from ckgen import db as dbmod
+from ckgen.runtime import db as dbmod
 from ckgen import settings
-from ckgen.dispatch import Dispatcher
+from ckgen.runtime.dispatch import Dispatcher
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target

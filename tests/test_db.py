@@ -1,4 +1,4 @@
-"""CPU tests of the YAML instance database (ckgen.db)."""
+"""CPU tests of the YAML instance database (ckgen.runtime.db)."""
 from __future__ import annotations
 
 import csv
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckgen import db, parsecache
-from ckgen.db import DBCorruptError, DBError, DBWarning, Entry, InstanceDB
+from ckgen.runtime import db
+from ckgen import parsecache
+from ckgen.runtime.db import DBCorruptError, DBError, DBWarning, Entry, InstanceDB
 from ckgen.ops import get_op
 
 
@@ -802,7 +803,7 @@ def _load_in_a_subprocess(path: Path) -> subprocess.CompletedProcess:
     of address space and 30 s: a read that blocks or does not end fails, it does not hang the run."""
     code = ("import resource, warnings, sys\n"
             "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-            "from ckgen import db\n"
+            "from ckgen.runtime import db\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    assert db.load_layered(sys.argv[1]).entries == ()\n"

@@ -1,4 +1,4 @@
-"""Hypothesis properties of the instance DB (ckgen.db): entries round-trip through the file
+"""Hypothesis properties of the instance DB (ckgen.runtime.db): entries round-trip through the file
 byte-stably with either YAML backend; the merge rule holds over any sequence of saves; any
 document, however malformed, loads as a DB (bad entries skipped) or is refused as corrupt with
 a bounded message, never another exception."""
@@ -14,8 +14,8 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ckgen import db
-from ckgen.db import DBCorruptError, DBWarning, Entry, InstanceDB
+from ckgen.runtime import db
+from ckgen.runtime.db import DBCorruptError, DBWarning, Entry, InstanceDB
 from ckgen.ops import get_op
 
 PROPS = settings(max_examples=100, deadline=None, derandomize=True,

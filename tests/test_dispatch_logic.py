@@ -8,9 +8,9 @@ from typing import Iterator
 import pytest
 
 import ckgen
-from ckgen import db as dbmod
+from ckgen.runtime import db as dbmod
 from ckgen import settings
-from ckgen.dispatch import Choice, Dispatcher
+from ckgen.runtime.dispatch import Choice, Dispatcher
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
@@ -315,7 +315,7 @@ def test_explain_rejects_bad_problems() -> None:
 
 
 def test_explain_without_arch_needs_a_gpu() -> None:
-    from ckgen.target import NoGPUError, gpu_status
+    from ckgen.runtime.target import NoGPUError, gpu_status
 
     why = gpu_status()
     if why is None:

@@ -99,7 +99,7 @@ def test_batches_multiply_shapes_that_omit_n():
 
 
 def test_tune_list_shows_the_grids_and_their_problems_without_a_gpu(inproc, monkeypatch):
-    from ckgen import target
+    from ckgen.runtime import target
 
     monkeypatch.setattr(target, "gpu_status", lambda: "no GPU here")  # --list never asks
     code, out, err = inproc("tune", "groupnorm_fwd", "--list", "--format", "json")

@@ -17,7 +17,7 @@ import pytest
 
 from ckgen.ops import get_op
 from ckgen.ops.groupnorm import MAX_SERIAL_ADDS
-from ckgen.replay import read_sweep_doc, sweep_paths
+from ckgen.tuner.replay import read_sweep_doc, sweep_paths
 from ckgen.types import Target
 
 SWEEPS = Path(__file__).resolve().parent / "data" / "sweeps"

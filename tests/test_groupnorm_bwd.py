@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from ckgen.compile import compile_offline
+from ckgen.runtime.compile import compile_offline
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
@@ -317,7 +317,7 @@ def test_retime_entries_replaces_only_stale_timed_entries(tmp_path):
     import sys
     from pathlib import Path
 
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
 
     op, t = get_op("groupnorm_bwd"), Target.named("sm_90")
     probs = [op.parse_problem(N=2, C=64, H=8, W=8, G=8, dtype="fp16", layout="nchw"),

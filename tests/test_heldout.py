@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from ckgen import db as dbmod
+from ckgen.runtime import db as dbmod
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""The on-disk kernel cache (ckgen/compile.py), CPU tier: NVRTC is replaced by a stub, so these run
+"""The on-disk kernel cache (ckgen/runtime/compile.py), CPU tier: NVRTC is replaced by a stub, so these run
 without CuPy. Files take the umask's mode (a cache shared by two users), an unreadable entry is
 compiled again, and a cache folder that cannot take a cubin costs one warning, not the call."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import ckgen
-from ckgen import compile as ckcompile
-from ckgen import spill
+from ckgen.runtime import compile as ckcompile
+from ckgen.runtime import spill
 from ckgen.codegen import KernelSource
 from ckgen.ops.spec import Target
 

@@ -13,10 +13,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ckgen import dispatch, tensors  # noqa: E402
-from ckgen.dispatch import Output  # noqa: E402
+from ckgen.runtime import dispatch, tensors  # noqa: E402
+from ckgen.runtime.dispatch import Output  # noqa: E402
 from ckgen.ops import get_op  # noqa: E402
-from ckgen.tensors import DeviceTensor  # noqa: E402
+from ckgen.runtime.tensors import DeviceTensor  # noqa: E402
 
 
 class FakeCuda:
@@ -206,7 +206,7 @@ def test_harness_cooperative_launcher_passes_kernel_args(monkeypatch):
     from cupy.cuda import driver
 
     from ckgen.types import Launch
-    from ckgen.verify import cooperative_launcher
+    from ckgen.runtime.verify import cooperative_launcher
 
     op = get_op("groupnorm_fwd")
     p = op.parse_problem(N=2, C=64, H=6, W=5, G=8, dtype="bf16", layout="nhwc")

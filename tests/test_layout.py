@@ -1,5 +1,5 @@
-"""The layout of the house: which module may import which, where the op families live, where
-templates and tuning spaces are read from (no GPU needed)."""
+"""The layout of the house: the package's layers and which module may import which, where the op
+families live, where templates and tuning spaces are read from (no GPU needed)."""
 from __future__ import annotations
 
 import ast
@@ -10,25 +10,162 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "ckgen"
 
+#: The package's layers, lowest first (docs/architecture.md, "Layers"). A module may import the
+#: modules of its own layer and of the layers below it, never one above; every module is in one.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("core", ("ckgen._version", "ckgen.types", "ckgen.settings", "ckgen.resources", "ckgen.parsecache",
+              "ckgen.space", "ckgen.codegen", "ckgen.instance", "ckgen.ops")),
+    ("model", ("ckgen.model",)),
+    ("runtime", ("ckgen.runtime",)),
+    ("tuning", ("ckgen.tuner",)),
+    ("offline", ("ckgen.offline",)),
+    ("interfaces", ("ckgen.cli", "ckgen.torch", "ckgen.__main__", "ckgen")),
+]
 
-def ckgen_imports(path: Path) -> set[str]:
-    """Every ckgen module `path` imports (module level or inside functions), as dotted names."""
-    rel = path.relative_to(REPO).with_suffix("")
-    package = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+
+def package_modules(root: Path = REPO) -> dict[str, Path]:
+    """Every module of the package under `root`, by dotted name (a package by its own name)."""
+    out = {}
+    for p in (root / "ckgen").rglob("*.py"):
+        rel = p.relative_to(root).with_suffix("")
+        out[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
+    return out
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (never run: no edge of the graph)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def ckgen_imports(path: Path, modules: dict[str, Path] | None = None, root: Path = REPO) -> set[str]:
+    """The modules of the package that `path` imports, at module level or inside functions, as
+    dotted names. `from ckgen.x import y` imports ckgen.x.y where that is a module, else ckgen.x;
+    importing a module also runs its packages' __init__, but that is the package's entry, not an
+    edge. Imports under `if TYPE_CHECKING:` do not count."""
+    mods = package_modules(root) if modules is None else modules
+    rel = path.relative_to(root).with_suffix("")
+    package = list(rel.parts[:-1])  # a module's package; an __init__'s is its own
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] == "ckgen"}
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "ckgen"}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
+                mod = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
             if mod.split(".")[0] == "ckgen":
-                out.add(mod)
-                out |= {f"{mod}.{a.name}" for a in node.names}  # `from . import db` imports ckgen.db
+                found |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names}
+    out = set()
+    for m in found:
+        while m not in mods and "." in m:
+            m = m.rsplit(".", 1)[0]
+        out.add(m)
     return out
+
+
+def module_graph() -> dict[str, set[str]]:
+    mods = package_modules()
+    return {name: ckgen_imports(path, mods) - {name} for name, path in mods.items()}
+
+
+def layer_of(module: str) -> int:
+    best, level = "", -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for pre in prefixes:
+            if (module == pre or module.startswith(pre + ".")) and len(pre) > len(best):
+                best, level = pre, i
+    return level
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_module_is_in_a_layer() -> None:
+    assert [m for m in package_modules() if layer_of(m) < 0] == []
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    bad = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+           for m, deps in sorted(module_graph().items()) for d in sorted(deps) if layer_of(d) > layer_of(m)]
+    assert bad == []
+
+
+def test_the_runtime_never_imports_tuning() -> None:
+    """Online tuning reaches the dispatcher through the hook it registers (`dispatch.set_untuned_hook`)."""
+    graph = module_graph()
+    low = [m for m in graph if LAYERS[layer_of(m)][0] in ("core", "model", "runtime")]
+    assert [(m, d) for m in low for d in graph[m] if layer_of(d) >= layer_of("ckgen.tuner")] == []
+
+
+def test_no_import_cycles() -> None:
+    """No two modules import each other, directly or through others (imports in functions count)."""
+    assert cycles(module_graph()) == []
+
+
+def test_the_checks_see_what_they_check(tmp_path: Path) -> None:
+    """The graph holds function-level imports and relative ones, leaves out TYPE_CHECKING ones,
+    and a cycle or an upward import is found: the checks above cannot pass vacuously."""
+    graph = module_graph()
+    assert "ckgen.runtime.dispatch" in graph["ckgen.runtime.api.groupnorm"]
+    assert "ckgen.runtime.dispatch" in graph["ckgen.tuner.tune"]  # inside a function
+    (tmp_path / "ckgen" / "runtime").mkdir(parents=True)
+    for name in ("ckgen/__init__.py", "ckgen/runtime/__init__.py", "ckgen/tuner.py"):
+        (tmp_path / name).write_text("")
+    f = tmp_path / "ckgen" / "runtime" / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .. import settings\n"
+                 "def f():\n    from .. import tuner\n")
+    mods = package_modules(tmp_path)
+    assert ckgen_imports(f, mods, tmp_path) == {"ckgen.tuner"}
+    assert layer_of("ckgen.tuner") > layer_of("ckgen.runtime.m")
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_version_is_pyprojects() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from ckgen._version import __version__
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == __version__
 
 
 def test_types_is_the_bottom_module() -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckgen import cli, library
-from ckgen import db as dbmod
+from ckgen import cli
+from ckgen.offline import library
+from ckgen.runtime import db as dbmod
 from ckgen.instance import render_instance
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Target

@@ -1,4 +1,4 @@
-"""Opt-in online tuning (ckgen/online.py) without a GPU: the dispatcher's slow path (plan building,
+"""Opt-in online tuning (ckgen/tuner/online.py) without a GPU: the dispatcher's slow path (plan building,
 `Dispatcher.choose` with a `Site`) calls an injected tuner, a fake one or the real search on
 replayed timings. Off by default; on with CKGEN_TUNE=1 or inside `ckgen.tuning()`; the budget
 from the env and the block; one tune per problem and process; a failing tuner falls back with one
@@ -15,15 +15,17 @@ from types import SimpleNamespace
 import pytest
 
 import ckgen
-from ckgen import db as dbmod
-from ckgen import dispatch, online, settings
-from ckgen.dispatch import Dispatcher, dispatcher
+from ckgen.runtime import db as dbmod
+from ckgen.runtime import dispatch
+from ckgen.tuner import online
+from ckgen import settings
+from ckgen.runtime.dispatch import Dispatcher, dispatcher
 from ckgen.instance import render_instance
-from ckgen.online import OnlineTuningWarning, Site
+from ckgen.tuner.online import OnlineTuningWarning, Site
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
-from ckgen.target import DeviceInfo, NoGPUError
-from ckgen.tune import TuneRequest
+from ckgen.runtime.target import DeviceInfo, NoGPUError
+from ckgen.tuner.tune import TuneRequest
 
 OP = get_op("groupnorm_fwd")
 SM90 = Target.named("sm_90")
@@ -318,7 +320,7 @@ def test_a_failure_every_problem_would_meet_stops_online_tuning(d, monkeypatch, 
 
 
 def test_the_study_storage_failing_stops_online_tuning(d, monkeypatch) -> None:
-    from ckgen.tune import StudyStorageError
+    from ckgen.tuner.tune import StudyStorageError
 
     bad = FakeTuner(fail=StudyStorageError("optuna study storage sqlite:///x: locked"))
     monkeypatch.setattr(online, "tuner", bad)
@@ -405,7 +407,7 @@ def _synthetic(config: Config) -> float:
 
 def replay_tuner(op, p, *, device, trials, max_seconds):
     """A tune.Tuner (search + final round) on synthetic timings (ReplayEvaluator) in place of the GPU."""
-    from ckgen.replay import ReplayEvaluator
+    from ckgen.tuner.replay import ReplayEvaluator
 
     return online.tune_with(TuneRequest(op, p, SM90, trials=trials, timeout=max_seconds, device="replayed GPU"),
                             ReplayEvaluator(_synthetic))
@@ -436,7 +438,7 @@ def test_the_incumbent_is_measured_first_and_a_tune_never_ends_slower_than_it() 
     """`TuneRequest.incumbent` (what the call ran untuned: `tune.dispatcher_pick`) measures it
     before the default and re-times it in the final round: a config no 4-trial search finds, made
     the fastest, is the winner; an invalid incumbent is ignored."""
-    from ckgen.replay import ReplayEvaluator
+    from ckgen.tuner.replay import ReplayEvaluator
 
     p = problem(N=8, layout="nhwc")
     valid = sorted((c for c in OP.space.enumerate() if OP.validate(p, c, SM90)), key=Config.key)
@@ -454,7 +456,7 @@ def test_the_incumbent_is_measured_first_and_a_tune_never_ends_slower_than_it() 
 
 
 def test_a_time_budget_spent_before_any_measurement_is_a_failure(monkeypatch) -> None:
-    from ckgen.replay import ReplayEvaluator
+    from ckgen.tuner.replay import ReplayEvaluator
 
     with pytest.raises(RuntimeError, match="ran out before the first config"):
         online.tune_with(TuneRequest(OP, P, SM90, trials=4, timeout=1.0), ReplayEvaluator(_synthetic),
@@ -509,9 +511,9 @@ def test_two_processes_tuning_into_one_user_db_lose_nothing(monkeypatch) -> None
 def no_gpu_plans(monkeypatch):
     """dispatch.Plan built on CPU: fake CUDA runtime and kernels, CPU torch tensors as device ones."""
     torch = pytest.importorskip("torch")
-    from ckgen import compile as compmod
-    from ckgen import target as targetmod
-    from ckgen import tensors
+    from ckgen.runtime import compile as compmod
+    from ckgen.runtime import target as targetmod
+    from ckgen.runtime import tensors
 
     state = SimpleNamespace(capturing=False, launches=0, torch=torch)
     rt = SimpleNamespace(streamIsCapturing=lambda s: state.capturing, getDevice=lambda: 0)
@@ -546,8 +548,8 @@ def _x(state, n: int):
 
 
 def _plan(x):
-    from ckgen.dispatch import Output, plan_for
-    from ckgen.tensors import DeviceTensor
+    from ckgen.runtime.dispatch import Output, plan_for
+    from ckgen.runtime.tensors import DeviceTensor
 
     like = DeviceTensor(x, "torch", x.data_ptr(), tuple(x.shape), tuple(x.stride()), "bf16", 0)
     p = problem(N=x.shape[0])
@@ -624,10 +626,11 @@ def test_tune_on_device_glue_with_a_fake_gpu(monkeypatch) -> None:
     """tune_on_device with CuPy, the device, the harness and the timer faked: the real objective
     compiles ahead in threads (no worker process), waits for the caller's GPU work first, frees
     CuPy's pool after, records every measurement, and returns the winner's entry."""
-    from ckgen import bench, records, verify
-    from ckgen import target as targetmod
-    from ckgen.bench import Timing
-    from ckgen.verify import Check
+    from ckgen.runtime import bench, verify
+    from ckgen.model import records
+    from ckgen.runtime import target as targetmod
+    from ckgen.runtime.bench import Timing
+    from ckgen.runtime.verify import Check
 
     events: list[str] = []
     rt = SimpleNamespace(deviceSynchronize=lambda: events.append("sync"), runtimeGetVersion=lambda: 13000,
@@ -666,7 +669,7 @@ def test_tune_on_device_glue_with_a_fake_gpu(monkeypatch) -> None:
     monkeypatch.setattr(verify, "Harness", FakeHarness)
     monkeypatch.setattr(bench, "Timer", FakeTimer)
     monkeypatch.setattr(online, "_compile", compile_in_thread)
-    from ckgen import compile as ck_compile
+    from ckgen.runtime import compile as ck_compile
 
     pool_before = ck_compile._pool
     p = problem(N=8, layout="nhwc")

@@ -14,7 +14,7 @@ import pytest
 from ckgen import model as cm
 from ckgen.model import lattice, parsed, policy
 from ckgen.model.candidates import _walk_configs
-from ckgen.dispatch import Dispatcher
+from ckgen.runtime.dispatch import Dispatcher
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import OpSpec, Target
 from ckgen.types import Config
@@ -192,8 +192,8 @@ def shipped_db(monkeypatch):
     """The packaged DB (its winners join the candidates, as for a user). And no offline spill
     check: an NHWC pooling forward's pick is compiled (NVRTC) where it can be, a compile the
     call needs anyway and no part of the pick's own cost."""
-    from ckgen import db as dbmod
-    from ckgen import compile as ckcompile
+    from ckgen.runtime import db as dbmod
+    from ckgen.runtime import compile as ckcompile
 
     monkeypatch.delenv("CKGEN_SHIPPED_DB", raising=False)
     monkeypatch.setattr(ckcompile, "nvrtc_missing", lambda: "not in this test")
@@ -297,10 +297,10 @@ try:
 except Exception:
     pass
 import jinja2
-from ckgen import compile as ckcompile
-from ckgen import db
+from ckgen.runtime import compile as ckcompile
+from ckgen.runtime import db
 from ckgen.model import store
-from ckgen.dispatch import Dispatcher
+from ckgen.runtime.dispatch import Dispatcher
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
 

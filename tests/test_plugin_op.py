@@ -78,7 +78,7 @@ def test_space_enumerates_and_validate_gives_reasons(op) -> None:
 
 
 def test_every_config_renders_and_compiles_for_sm90(op) -> None:
-    from ckgen.compile import compile_offline
+    from ckgen.runtime.compile import compile_offline
     from ckgen.instance import InvalidConfig, render_instance
 
     jobs = []
@@ -115,7 +115,7 @@ def test_reference_matches_a_loop(op) -> None:
 
 
 def test_problems_keys_grids_and_records(op) -> None:
-    from ckgen.records import make_record
+    from ckgen.model.records import make_record
 
     ps = op.default_problems()
     assert len(ps) == 2 * 2 * 2 and all(op.problem_from_key(p.key()) == p for p in ps)
@@ -132,8 +132,8 @@ def test_bench_takes_the_op(op, inproc, monkeypatch) -> None:
     """`ckgen bench` has the op (it has `bench_callables`): the eager side runs (on CPU here), the
     ckgen side is the plug-in's public function, a GPU call."""
     torch = pytest.importorskip("torch")
-    import ckgen.target
-    from ckgen.opbench import OPS, _explain_fields, callables, suite
+    import ckgen.runtime.target
+    from ckgen.offline.opbench import OPS, _explain_fields, callables, suite
 
     assert "chscale" in OPS and list(OPS)[-1] == "chscale"  # after ckgen's own, in registration order
     p = op.parse_problem(N=2, C=8, H=5, W=6, dtype="fp32", layout="nhwc")
@@ -144,7 +144,7 @@ def test_bench_takes_the_op(op, inproc, monkeypatch) -> None:
     with pytest.raises(TypeError, match="GPU"):
         ours()
     assert _explain_fields("chscale", suite("chscale", True)[0]).keys() == {"N", "C", "H", "W", "dtype", "layout"}
-    monkeypatch.setattr(ckgen.target, "gpu_status", lambda: "faked: none here")
+    monkeypatch.setattr(ckgen.runtime.target, "gpu_status", lambda: "faked: none here")
     code, out, err = inproc("bench", "--ops", "chscale")
     assert code == 2 and err.strip() == "ckgen bench: no usable GPU (faked: none here)", err
 
@@ -170,7 +170,7 @@ def test_explain_and_generate_through_the_cli(op, inproc, tmp_path) -> None:
 
 def test_explain_picks_without_a_tuned_entry(op) -> None:
     import ckgen
-    from ckgen.dispatch import dispatcher
+    from ckgen.runtime.dispatch import dispatcher
 
     p = _problem(op, "bf16", "nhwc", C=64)
     choice, src = dispatcher().choose(op, p, SM90)
@@ -182,7 +182,7 @@ def test_explain_picks_without_a_tuned_entry(op) -> None:
 def test_cost_model_picks_on_a_db_miss(op, model_on) -> None:
     """With the cost model on (as users have it), an untuned problem of the plug-in gets a pick:
     the model asks the op only through OpSpec hooks, whose defaults the plug-in keeps."""
-    from ckgen.dispatch import dispatcher
+    from ckgen.runtime.dispatch import dispatcher
 
     p = _problem(op, "fp16", "nhwc", C=128, H=32, W=32)
     choice, _ = dispatcher().choose(op, p, SM90)

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ckgen import library, records, spill
+from ckgen.offline import library
+from ckgen.model import records
+from ckgen.runtime import spill
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 
@@ -184,7 +186,7 @@ def test_dispatcher_skips_untuned_picks_that_spill(model_on):
     if library.nvrtc_missing():
         pytest.skip(library.nvrtc_missing())
     from ckgen import model as cm
-    from ckgen.dispatch import Dispatcher
+    from ckgen.runtime.dispatch import Dispatcher
 
     op = get_op("maxpool2d_fwd")
     p = op.parse_problem(**SPILL_IDX)
@@ -221,7 +223,7 @@ def test_frame_bytes_reads_the_cubins_stack_frame():
     for bytes that are not a 64-bit ELF."""
     if library.nvrtc_missing():
         pytest.skip(library.nvrtc_missing())
-    from ckgen.compile import compile_offline, frame_bytes
+    from ckgen.runtime.compile import compile_offline, frame_bytes
     from ckgen.instance import render_instance
 
     op = get_op("maxpool2d_fwd")

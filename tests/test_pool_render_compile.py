@@ -13,8 +13,9 @@ import re
 
 import pytest
 
-from ckgen import cli, library
-from ckgen.compile import compile_offline
+from ckgen import cli
+from ckgen.offline import library
+from ckgen.runtime.compile import compile_offline
 from ckgen.instance import InvalidConfig, render_instance
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Config, Target

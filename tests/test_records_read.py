@@ -1,4 +1,4 @@
-"""Reading tuning records (ckgen/records.py `read`), CPU tier: a line no JSON parser can take
+"""Reading tuning records (ckgen/model/records.py `read`), CPU tier: a line no JSON parser can take
 whole (nested deeper than the interpreter's recursion limit) is one more malformed line; the
 records' kernel_version (written, migrated from a legacy record's date, read by the cost model)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from ckgen import records
+from ckgen.model import records
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
 

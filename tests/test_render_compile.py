@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from ckgen.codegen import KernelSource
-from ckgen.compile import Binary, CompileError, compile_offline
+from ckgen.runtime.compile import Binary, CompileError, compile_offline
 from ckgen.instance import InvalidConfig, render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target

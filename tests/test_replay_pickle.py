@@ -8,7 +8,7 @@ import pickle
 from ckgen import model as cm
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
-from ckgen.replay import _Remembered
+from ckgen.tuner.replay import _Remembered
 
 SM90 = Target.named("sm_90")
 

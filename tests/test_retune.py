@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from ckgen import cli
-from ckgen import db as dbmod
+from ckgen.runtime import db as dbmod
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
-from ckgen.tune import Tuner, TuneRequest, retune_plan
+from ckgen.tuner.tune import Tuner, TuneRequest, retune_plan
 from test_tune_search import PROBLEM, Replay, synthetic
 
 OP = get_op("groupnorm_fwd")
@@ -52,7 +52,7 @@ def test_warm_start_is_measured_first():
 
 
 def test_cli_retune_without_gpu(capsys):
-    from ckgen.target import gpu_status
+    from ckgen.runtime.target import gpu_status
 
     if gpu_status() is None:
         pytest.skip("a GPU is present")

@@ -2,7 +2,7 @@
 (a template edit must come with re-tuned or removed entries, never silently stale ones)."""
 from __future__ import annotations
 
-from ckgen import db
+from ckgen.runtime import db
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target

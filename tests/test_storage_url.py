@@ -92,14 +92,14 @@ def test_fuzzed_storage_urls_show_no_password(inproc, scheme, shape, user, passw
     (f"it said {SECRET!r} and {SECRET}", f"postgresql://bob:{SECRET}@h/db", "it said '***' and ***"),
 ])
 def test_mask_forms(text, url, want) -> None:
-    from ckgen.storage_url import mask
+    from ckgen.tuner.storage_url import mask
 
     got = mask(text, url)
     assert want in got and SECRET not in got
 
 
 def test_storage_message_is_one_line() -> None:
-    from ckgen.storage_url import message
+    from ckgen.tuner.storage_url import message
 
     got = message("OperationalError: connection refused\n\tIs the server running?\n"
                   "(Background on this error at: https://sqlalche.me/e/21/e3q8)", None)
@@ -111,11 +111,11 @@ def test_heartbeat_notices_stay_filtered_when_another_thread_restores_the_warnin
     restores the list it saved, undoing what `open_storage`'s own block set meanwhile, and the
     notice that the heartbeat option is experimental escaped (the PostgreSQL worker tests showed
     it). Here the other thread leaves its block just as a second storage is made. (The first
-    storage ckgen opens, or the import of ckgen.tune outside a test, puts the filter in the
+    storage ckgen opens, or the import of ckgen.tuner.tune outside a test, puts the filter in the
     list every later block saves; pytest restores the list after each test.)"""
     import optuna
 
-    from ckgen import tune
+    from ckgen.tuner import tune
 
     tune.open_storage(f"sqlite:///{tmp_path / 'first.sqlite3'}")
     real_init = optuna.storages.RDBStorage.__init__

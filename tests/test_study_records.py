@@ -8,10 +8,10 @@ from pathlib import Path
 
 import optuna
 
-from ckgen import records
+from ckgen.model import records
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
-from ckgen.sampler import FAILURE_ATTR
+from ckgen.tuner.sampler import FAILURE_ATTR
 
 ROOT = Path(__file__).resolve().parents[1]
 

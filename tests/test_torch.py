@@ -54,7 +54,7 @@ def _distinct(shape=(2, 4, 9, 11), dtype=torch.float64, layout="nchw", seed=0):
 # import boundary
 # ---------------------------------------------------------------------------------------------
 def test_import_ckgen_does_not_import_torch():
-    code = ("import sys, ckgen, ckgen.cli, ckgen.dispatch, ckgen.api, ckgen.opbench\n"
+    code = ("import sys, ckgen, ckgen.cli, ckgen.runtime.dispatch, ckgen.runtime.api, ckgen.offline.opbench\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n"
             "import ckgen.torch\nassert 'torch' in sys.modules and hasattr(sys.modules['torch'], 'ops')\n"
             "print('ok')")
@@ -991,7 +991,7 @@ def test_the_kernel_overload_has_no_autograd_kernel_of_its_own():
 # the op-level fallback: problems ckgen's dispatcher cannot serve (no GPU needed to decide)
 # ---------------------------------------------------------------------------------------------
 def test_not_served_names_the_dispatchers_reason(monkeypatch):
-    from ckgen import target as target_mod
+    from ckgen.runtime import target as target_mod
     from ckgen.ops.spec import Target
 
     monkeypatch.setattr(target_mod, "device_info",
@@ -1134,7 +1134,7 @@ def test_compile_still_traces_the_custom_ops_when_the_eager_path_is_on(eager_cpu
 def test_not_served_answers_a_repeated_signature_from_its_cache(monkeypatch):
     """The per-signature cache: a repeated call does no problem work; another layout of the same
     shape, or another option, is its own signature with its own answer."""
-    from ckgen import target as target_mod
+    from ckgen.runtime import target as target_mod
     from ckgen.ops.spec import Target
 
     monkeypatch.setattr(target_mod, "device_info",
@@ -1186,7 +1186,7 @@ def test_pool_call_cache_keeps_the_answers_of_the_checks():
 def test_pool_ops_cache_the_answer_by_their_arguments(monkeypatch):
     """The pooling ops' CUDA implementations ask `_not_served` once per argument signature
     (kernel sizes as lists or tuples alike), and clearing `_served` forgets those answers too."""
-    from ckgen import target as target_mod
+    from ckgen.runtime import target as target_mod
     from ckgen.ops.spec import Target
 
     monkeypatch.setattr(target_mod, "device_info",

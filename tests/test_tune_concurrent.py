@@ -11,10 +11,10 @@ import time
 import optuna
 import pytest
 
-from ckgen import tune
-from ckgen.replay import ReplayEvaluator
-from ckgen.sampler import settled
-from ckgen.tune import StudyStorageError, Tuner, TuneRequest, open_storage, study_name
+from ckgen.tuner import tune
+from ckgen.tuner.replay import ReplayEvaluator
+from ckgen.tuner.sampler import settled
+from ckgen.tuner.tune import StudyStorageError, Tuner, TuneRequest, open_storage, study_name
 from test_tune_search import OP, PROBLEM, SM90, synthetic, valid
 
 States = optuna.trial.TrialState

@@ -1,7 +1,7 @@
 """One tuning pipeline (`tune.TuneRequest` -> `tune.Tuner`) behind every entry point, without a
 GPU: `ckgen tune`'s `tune_problem`, online tuning's `tune_with` and a worker of `ckgen tune
 --workers` run the same search and pick the same winner as a plain Tuner given the same request
-and a replayed evaluator; and the runtime (ckgen/dispatch.py) never imports the tuner: online
+and a replayed evaluator; and the runtime (ckgen/runtime/dispatch.py) never imports the tuner: online
 tuning reaches it through the untuned hook it registers."""
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from ckgen import dispatch, online, tune
-from ckgen import workers as wk
-from ckgen.bench import Timing
+from ckgen.runtime import dispatch
+from ckgen.tuner import online, tune
+from ckgen.tuner import workers as wk
+from ckgen.runtime.bench import Timing
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
-from ckgen.replay import ReplayBackend, ReplayEvaluator
-from ckgen.target import DeviceInfo
-from ckgen.tune import Tuner, TuneRequest
+from ckgen.tuner.replay import ReplayBackend, ReplayEvaluator
+from ckgen.runtime.target import DeviceInfo
+from ckgen.tuner.tune import Tuner, TuneRequest
 
 OP = get_op("groupnorm_fwd")
 SM90 = Target.named("sm_90")
@@ -151,7 +152,7 @@ TUNING = ("online", "tune", "workers", "replay", "sampler", "records")
 
 
 def test_dispatch_has_no_import_of_the_tuner():
-    """Not at the top, not inside a function: ckgen/dispatch.py names none of the tuning modules."""
+    """Not at the top, not inside a function: ckgen/runtime/dispatch.py names none of the tuning modules."""
     tree = ast.parse((ROOT / "ckgen" / "dispatch.py").read_text())
     found = []
     for node in ast.walk(tree):
@@ -164,12 +165,12 @@ def test_dispatch_has_no_import_of_the_tuner():
 
 
 def test_importing_dispatch_alone_imports_no_tuning_module():
-    """A fresh interpreter imports ckgen.dispatch without running ckgen/__init__.py (which imports
+    """A fresh interpreter imports ckgen.runtime.dispatch without running ckgen/__init__.py (which imports
     online tuning to register it): no tuning module comes with it."""
     code = ("import importlib.util, sys; root = sys.argv[1]; "
             "spec = importlib.util.spec_from_file_location('ckgen', root + '/__init__.py', "
             "submodule_search_locations=[root]); "
-            "sys.modules['ckgen'] = importlib.util.module_from_spec(spec); import ckgen.dispatch; "
+            "sys.modules['ckgen'] = importlib.util.module_from_spec(spec); import ckgen.runtime.dispatch; "
             "print(sorted(m for m in sys.modules if m.startswith('ckgen.')))")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "ckgen")], capture_output=True, text=True,
                          timeout=120, check=True).stdout

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ckgen.replay import load_sweep, replay, replay_sweeps, sweep_paths, sweeps
+from ckgen.tuner.replay import load_sweep, replay, replay_sweeps, sweep_paths, sweeps
 
 SWEEPS = Path(__file__).resolve().parent / "data" / "sweeps"
 SEEDS = range(20)
@@ -59,7 +59,7 @@ def results():
 
 
 def _patch_where_tune_looks(monkeypatch, name, value):
-    """`name` replaced in ckgen.model, where ckgen/tune.py looks it up."""
+    """`name` replaced in ckgen.model, where ckgen/tuner/tune.py looks it up."""
     from ckgen import model
 
     monkeypatch.setattr(model, name, value)
@@ -69,7 +69,8 @@ def test_replay_seeds_from_the_nearest_held_out_problems_never_the_sweeps_own(mo
     """The replay seeds as `ckgen tune` does, with the winners of the nearest recorded problems
     too, but from `held_out_records`: the shipped records hold the sweep, whose own winner (the
     exhaustive best) would be its nearest recorded winner."""
-    from ckgen import model as cm, records
+    from ckgen import model as cm
+    from ckgen.model import records
 
     path = next(iter(sweep_paths(SWEEPS, "sweep-maxpool2d_bwd-nchw-*")), None)
     if path is None:

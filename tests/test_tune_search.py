@@ -10,13 +10,13 @@ import time
 import optuna
 import pytest
 
-from ckgen import db as dbmod
-from ckgen.bench import Timing
+from ckgen.runtime import db as dbmod
+from ckgen.runtime.bench import Timing
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
-from ckgen.replay import ReplayEvaluator
-from ckgen.sampler import STRATEGIES, make_tpe
-from ckgen.tune import NEIGHBOURS, Objective, Tuner, TuneRequest, final_round, finalists, model_picks
+from ckgen.tuner.replay import ReplayEvaluator
+from ckgen.tuner.sampler import STRATEGIES, make_tpe
+from ckgen.tuner.tune import NEIGHBOURS, Objective, Tuner, TuneRequest, final_round, finalists, model_picks
 
 OP = get_op("groupnorm_fwd")
 SM90 = Target.named("sm_90")
@@ -172,7 +172,7 @@ def test_tpe_flags_are_all_set_explicitly():
 
 def _recs(op, problem, timed, arch="sm_90"):
     """Records of `problem`: (config, time_us) pairs, timed on `arch`."""
-    from ckgen import records
+    from ckgen.model import records
 
     return [records.make_record(op, problem, Target.named(arch), "test", c, ok=True, time_us=t) for c, t in timed]
 
@@ -208,7 +208,7 @@ def test_seeds_hold_the_winners_of_the_nearest_recorded_problems():
 def test_ckgen_tune_seeds_hold_the_nearest_recorded_winner_of_the_user_records():
     """`ckgen tune` (tune_problem: `model_picks` with the records in use, the shipped and the
     user's) measures the nearest recorded problem's winner right after the default."""
-    from ckgen import records
+    from ckgen.model import records
 
     p = OP.parse_problem(N=3, C=96, H=40, W=24, G=24, dtype="fp32", layout="nhwc")
     valid = sorted((c for c in OP.space.enumerate() if OP.validate(p, c, SM90)), key=Config.key)
@@ -305,7 +305,7 @@ def test_db_entry_keeps_the_spread():
 
 def test_start_compiles_in_worker_processes_and_measure_waits_for_it():
     pytest.importorskip("cupy")
-    from ckgen.compile import cubin_path
+    from ckgen.runtime.compile import cubin_path
     from ckgen.instance import render_instance
 
     configs = sorted(valid(), key=lambda c: c.key())[:3]

@@ -1,5 +1,5 @@
-"""`ckgen tune --workers` (ckgen/workers.py) without a GPU: worker processes replay synthetic
-timings (ckgen.replay.ReplayBackend, tests/wtimes.py) against a real PostgreSQL server started
+"""`ckgen tune --workers` (ckgen/tuner/workers.py) without a GPU: worker processes replay synthetic
+timings (ckgen.tuner.replay.ReplayBackend, tests/wtimes.py) against a real PostgreSQL server started
 here (tests/pgserver.py: initdb + pg_ctl in a temp dir, on a free port) and against SQLite.
 
 Asserted: every problem gets its budget (trials of the run, for the whole run, not per worker),
@@ -20,9 +20,9 @@ import pytest
 
 import pgserver
 import wtimes
-from ckgen import db as dbmod
-from ckgen import workers as wk
-from ckgen.replay import ReplayBackend
+from ckgen.runtime import db as dbmod
+from ckgen.tuner import workers as wk
+from ckgen.tuner.replay import ReplayBackend
 from ckgen.types import Config
 
 States = optuna.trial.TrialState
@@ -211,8 +211,8 @@ def test_one_worker_searches_as_one_process_and_builds_one_evaluator_per_problem
     an unbounded count: over each problem's whole valid space, not a subset, so the op's seeds
     count), and one evaluator (on a GPU: one harness, the inputs and the float64 reference) for the
     search and the final round."""
-    from ckgen.replay import ReplayEvaluator
-    from ckgen.tune import Tuner, TuneRequest
+    from ckgen.tuner.replay import ReplayEvaluator
+    from ckgen.tuner.tune import Tuner, TuneRequest
 
     trials, keys = 6, wtimes.KEYS[:3]
     logs = tmp_path / "logs"

@@ -56,7 +56,7 @@ def test_a_worker_that_compiled_through_the_real_pool_exits(tmp_path):
     doc = run_bounded(f"""
         import json
         import wtimes
-        from ckgen import workers as wk
+        from ckgen.tuner import workers as wk
 
         spec = wk.RunSpec(wtimes.OP.name, {tuple(keys)!r}, 3, {f"sqlite:///{tmp_path / 's.sqlite3'}"!r},
                           db={str(tmp_path / 'db.yaml')!r}, backend=wtimes.CompilingBackend(), poll_s=0.2)
@@ -77,7 +77,7 @@ def test_a_worker_that_finishes_but_never_exits_is_stopped_and_reported(tmp_path
     doc = run_bounded(f"""
         import json
         import wtimes
-        from ckgen import workers as wk
+        from ckgen.tuner import workers as wk
 
         events = []
         spec = wk.RunSpec(wtimes.OP.name, {tuple(keys)!r}, 2, {f"sqlite:///{tmp_path / 's.sqlite3'}"!r},
@@ -119,7 +119,7 @@ def test_a_killed_worker_is_reported_and_its_compile_pool_does_not_outlive_it(tm
     doc = run_bounded(f"""
         import json, os, signal, time
         import wtimes
-        from ckgen import workers as wk
+        from ckgen.tuner import workers as wk
         from test_workers_pools import _alive, _children
 
         pool = []

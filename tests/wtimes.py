@@ -45,13 +45,13 @@ def time_of(key: str, config: Config) -> float | None:
 
 
 class CompilingBackend:
-    """A `ckgen.workers` backend that compiles every proposal through the real compile pool
+    """A `ckgen.tuner.workers` backend that compiles every proposal through the real compile pool
     (`tune.Objective.start`: NVRTC offline, in the worker's spawned pool processes) and answers
     `time_of`'s replayed times for the GPU part, so a worker owns a real pool as it does on a GPU
     machine. `delay` seconds per measurement stand in for the GPU's time."""
 
     def __init__(self, delay: float = 0.0):
-        from ckgen.replay import ReplayBackend
+        from ckgen.tuner.replay import ReplayBackend
 
         self.replay = ReplayBackend(time_of, restrict_to, delay=delay)
         self.info = self.replay.info
@@ -73,7 +73,7 @@ class CompilingEvaluator:
     waits for each config's cubin before answering the replayed evaluator's time."""
 
     def __init__(self, op, problem, target, replayed):
-        from ckgen import tune
+        from ckgen.tuner import tune
 
         self.objective = tune.Objective(op, problem, target, None, None)  # no harness, no timer: no GPU
         self.replayed = replayed
@@ -96,7 +96,7 @@ class CompilingEvaluator:
         self.replayed.start(configs)
 
     def measure(self, config):
-        from ckgen.tune import TrialFailed
+        from ckgen.tuner.tune import TrialFailed
 
         job = self.objective.pending.pop(config, None)
         if job is not None:
@@ -122,7 +122,7 @@ def compile_in_child(count: int = 3) -> None:
     """A multiprocessing child's work that compiles `count` configs of the first problem through
     the tuner's background compile pool and returns without shutting the pool down (as a
     script's own child running `tune.tune_problem` would)."""
-    from ckgen import tune
+    from ckgen.tuner import tune
 
     problem = PROBLEMS[0]
     objective = tune.Objective(OP, problem, SM90, None, None)

@@ -1,4 +1,4 @@
-"""Rebuild ckgen/data/records.jsonl.gz, the tuning records the package ships (ckgen/shipped.py,
+"""Rebuild ckgen/data/records.jsonl.gz, the tuning records the package ships (ckgen/offline/shipped.py,
 `build_shipped`), from the repo's sweeps, shipped DB and suite benchmarks; then refit the cost
 model on them (ckgen/data/costmodel.json):
 
@@ -22,7 +22,9 @@ def main() -> int:
     import gzip
     import json
 
-    from ckgen import model, records, shipped
+    from ckgen import model
+    from ckgen.model import records
+    from ckgen.offline import shipped
 
     recs = shipped.build_shipped(ROOT)
     rec_path = ROOT / "ckgen" / "data" / "records.jsonl.gz"

@@ -31,11 +31,11 @@ def main() -> int:
     ap.add_argument("--new", action="store_true", help="also add entries for problems the DB lacks")
     a = ap.parse_args()
     from ckgen import __version__
-    from ckgen import db as dbmod
-    from ckgen.bench import gbps
+    from ckgen.runtime import db as dbmod
+    from ckgen.runtime.bench import gbps
     from ckgen.instance import render_instance
     from ckgen.ops import get_op
-    from ckgen.replay import read_sweep_doc
+    from ckgen.tuner.replay import read_sweep_doc
     from ckgen.types import Config, Target
 
     d = dbmod.InstanceDB.load(a.db)

@@ -25,9 +25,9 @@ def main() -> int:
     from heldout import load_cases, problem_of
 
     from ckgen import model
-    from ckgen.db import InstanceDB
+    from ckgen.runtime.db import InstanceDB
     from ckgen.instance import render_instance
-    from ckgen.library import spill_free
+    from ckgen.offline.library import spill_free
     from ckgen.ops.spec import Target
 
     target = Target.named(args.arch)

@@ -35,7 +35,7 @@ def main() -> None:
     from cupy.cuda import driver, runtime
 
     import ckgen
-    from ckgen.tensors import sig
+    from ckgen.runtime.tensors import sig
 
     x = torch.randn(2, 32, 8, 8, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(32, device="cuda", dtype=torch.bfloat16)

@@ -17,8 +17,8 @@ def main() -> None:
     import torch
 
     import heldout as H
-    from ckgen.bench import Timer
-    from ckgen.target import device_info
+    from ckgen.runtime.bench import Timer
+    from ckgen.runtime.target import device_info
 
     timer = Timer(device_info(None).l2_bytes, warmup=3, runs=20)
 

@@ -5,8 +5,8 @@ import itertools, sys
 import numpy as np
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
-from ckgen.target import current_target
-from ckgen.verify import Harness
+from ckgen.runtime.target import current_target
+from ckgen.runtime.verify import Harness
 op = get_op("avgpool2d_bwd")
 t = current_target()
 for N, C, H, W in [(2, 64, 112, 112), (16, 64, 112, 112), (64, 64, 112, 112)]:
@@ -16,7 +16,7 @@ for N, C, H, W in [(2, 64, 112, 112), (16, 64, 112, 112), (64, 64, 112, 112)]:
     import random
     cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t) and c["algo"] == "gather" and c["min_blocks"] == 1
             and c["threads"] == 256]
-    from ckgen.dispatch import dispatcher
+    from ckgen.runtime.dispatch import dispatcher
     chosen = dispatcher().choose(op, p, t)[0].config  # what the dispatcher runs for this shape
     cfgs = [chosen] + random.Random(0).sample([c for c in cfgs if c != chosen], min(24, len(cfgs) - 1))
     for c in cfgs:

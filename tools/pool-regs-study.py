@@ -18,7 +18,7 @@ sys.path.insert(0, '.')
 from ckgen.ops import get_op
 from ckgen.types import Target
 from ckgen.ops.spec import Config
-from ckgen import library
+from ckgen.offline import library
 T = Target.named('sm_90')
 
 def build(args):

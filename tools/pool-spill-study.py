@@ -33,7 +33,7 @@ OPS = ("maxpool2d_fwd", "avgpool2d_fwd")
 
 
 def build(job: tuple[str, str, dict]) -> dict | None:
-    from ckgen import library
+    from ckgen.offline import library
     from ckgen.instance import render_instance
     from ckgen.ops import get_op
     from ckgen.ops.spec import Config, Target
@@ -52,7 +52,7 @@ def build(job: tuple[str, str, dict]) -> dict | None:
 
 
 def main() -> int:
-    from ckgen import records
+    from ckgen.model import records
     from ckgen.ops import get_op
     from ckgen.ops.spec import Config
 

@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ckgen import db, model as cm  # noqa: E402
+from ckgen.runtime import db
+from ckgen import model as cm  # noqa: E402
 from ckgen.codegen import render  # noqa: E402
 from ckgen.ops import all_ops  # noqa: E402
 from ckgen.types import Config, Target  # noqa: E402

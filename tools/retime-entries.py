@@ -32,8 +32,8 @@ def main() -> int:
     ap.add_argument("--other-device", action="store_true",
                     help="also re-time entries tuned on another device of the JSON's arch (see above)")
     a = ap.parse_args()
-    from ckgen import db as dbmod
-    from ckgen.bench import gbps
+    from ckgen.runtime import db as dbmod
+    from ckgen.runtime.bench import gbps
     from ckgen.instance import render_instance
     from ckgen.ops import get_op
     from ckgen.types import Config, Target

@@ -7,7 +7,7 @@ default problem of each dtype and layout). ckgen's 8 ops: fp32/bf16 (+ fp16 for 
 x NCHW/NHWC, GroupNorm with and without swish, pooling on two geometries (one with padding,
 ceil_mode and dilation) and both max-pool backward index modes; small problems with ragged tails
 (odd H*W, C/G not a multiple of a vector). Per family: the space's default (or nearest valid) config, then seeded random valid
-ones, each run through ckgen.verify.Harness (fresh random inputs, NaN-poisoned outputs, checked
+ones, each run through ckgen.runtime.verify.Harness (fresh random inputs, NaN-poisoned outputs, checked
 against the float64 reference).
 
 The order is round-robin (every family's first config, then every family's second, ...), so a
@@ -51,11 +51,11 @@ def main() -> int:
     import os
     import pickle
 
-    from ckgen.compile import compile_many
+    from ckgen.runtime.compile import compile_many
     from ckgen.instance import render_instance
     from ckgen.ops import get_op
-    from ckgen.target import current_target
-    from ckgen.verify import Harness
+    from ckgen.runtime.target import current_target
+    from ckgen.runtime.verify import Harness
 
     if os.environ.get("CKGEN_SANITIZE"):  # every buffer its own cudaMalloc: memcheck sees real bounds
         import cupy

@@ -1,4 +1,4 @@
-"""Tuning records (ckgen/records.py) from an optuna study storage: every finished trial of every
+"""Tuning records (ckgen/model/records.py) from an optuna study storage: every finished trial of every
 ckgen study in it (a measured config with its median time, or a failure with its reason), for
 the studies whose problem a records file does not hold yet. For tuning runs whose records file
 was lost (before `bench/tune_db.sh` kept it beside its DB); the storage keeps every trial.
@@ -23,10 +23,10 @@ def main() -> int:
     args = ap.parse_args()
     import optuna
 
-    from ckgen import records
+    from ckgen.model import records
     from ckgen.ops import get_op
     from ckgen.ops.spec import Config, Target
-    from ckgen.sampler import FAILURE_ATTR
+    from ckgen.tuner.sampler import FAILURE_ATTR
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     have = {(r["op"], r["problem"]) for path in args.have for r in records.read(Path(path))}

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, "bench")
 import ckgen  # noqa: E402
-import ckgen.compile as ccomp  # noqa: E402
-import ckgen.dispatch as cd  # noqa: E402
+import ckgen.runtime.compile as ccomp  # noqa: E402
+import ckgen.runtime.dispatch as cd  # noqa: E402
 import ckgen.torch as ct  # noqa: E402
 
 dev = torch.device("cuda")

@@ -2,7 +2,7 @@
 the tuner takes its first seeds from.
 
 **Why an analytical model with fitted terms, not a learner.** The training records
-(ckgen/records.py) are thin: two exhaustive sweeps (GroupNorm forward, bf16, one NCHW and one
+(ckgen/model/records.py) are thin: two exhaustive sweeps (GroupNorm forward, bf16, one NCHW and one
 NHWC shape), tuning runs of the grid problems, and about two timings per problem (winner and
 default) for the rest. A gradient-boosted or ranking model fit on that learns the swept problems
 and has little to generalise with across shapes (`bench/costmodel_loo.py` measures it). So the

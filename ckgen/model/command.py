@@ -11,7 +11,7 @@ from .store import dumps, user_model_path
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from .. import records as recmod
+    from . import records as recmod
 
     ap = argparse.ArgumentParser(prog="python -m ckgen.model", description="Fit the config cost model.")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -209,7 +209,7 @@ def packaged_fit_data() -> FitData:
     """`FitData` of the shipped records (ckgen/data/records.jsonl.gz, `records.read_cached`),
     prepared once per version of the file: the held-out fits of the replays and of leave-one-out
     are made once and shared (the models are shared too: do not change them)."""
-    from .. import records as recmod
+    from . import records as recmod
 
     recs = recmod.read_cached(recmod.packaged_records_path())
     with _data_lock:
@@ -219,7 +219,7 @@ def packaged_fit_data() -> FitData:
 
 
 def _prepare(records: list[dict[str, Any]]) -> tuple[list, list[Geometry]]:
-    from .. import records as recmod
+    from . import records as recmod
 
     rows = _usable_records(records)
     geos = [geometry(op, p, c, t, narrow_rows=recmod.kernel_version(r) >= NARROW_ROWS_FROM_KERNEL_VERSION)
@@ -284,6 +284,6 @@ def timed_configs(records: Iterable[dict[str, Any]]) -> dict[Config, float]:
 
 
 def recmod_by_problem(records: Iterable[dict[str, Any]]):
-    from ..records import by_problem
+    from .records import by_problem
 
     return by_problem(records)

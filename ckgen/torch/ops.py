@@ -369,7 +369,7 @@ def _not_served_problem(op_name: str, x: Tensor, fields: dict) -> Optional[str]:
     except (ValueError, TypeError):
         return None  # an argument error: the ckgen call raises it
     try:
-        from ..target import device_info
+        from ..runtime.target import device_info
 
         arch = device_info(x.device.index or 0).target.arch
     except Exception as e:  # CuPy missing or unusable

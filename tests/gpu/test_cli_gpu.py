@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("cupy")
 
 from ckgen import cli  # noqa: E402
-from ckgen.opbench import OPS  # noqa: E402
+from ckgen.offline.opbench import OPS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 cupy = pytest.importorskip("cupy")
 
 import ckgen  # noqa: E402
-from ckgen import db as dbmod  # noqa: E402
+from ckgen.runtime import db as dbmod  # noqa: E402
 from ckgen import settings  # noqa: E402
 from ckgen.instance import render_instance  # noqa: E402
 from ckgen.ops import get_op  # noqa: E402
@@ -123,7 +123,7 @@ WORKSPACE = {  # a config family that needs a workspace, per op (where the op ha
 
 def force(name: str, layout: str, pred, dtype: str = "bf16", workspace: bool = False) -> Config:
     """Write a user-DB entry so the dispatcher picks a config satisfying `pred` for this call."""
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     target = current_target()
     op, p = problem_of(name, layout, dtype)
@@ -212,7 +212,7 @@ def test_torch_cuda_graph_capture_of_a_grid_barrier_kernel(name, slice_in):
     at a barrier whose counters live in the workspace) eager, captured into a CUDA graph and
     replayed on fresh data: the same bits as an eager call each time (the counters reset themselves)."""
     config = force(name, "nhwc", GRID_BARRIER[name, slice_in], workspace=True)
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     op, p = problem_of(name, "nhwc")
     assert any(launch.cooperative for launch in op.launches(p, config, current_target()))

@@ -2,7 +2,7 @@
 backward and its two partial ops, max pooling forward/backward, avg pooling forward/backward),
 each run with the config the dispatcher picks for it (the shipped DB's winners, else the space's
 default or the valid config nearest it) and one more valid config of a small seeded pool, against
-the float64 reference with poisoned outputs (ckgen.verify.Harness). A quarter of the problems
+the float64 reference with poisoned outputs (ckgen.runtime.verify.Harness). A quarter of the problems
 also go through the public API (CuPy inputs, every CuPy allocation poisoned).
 
 Shapes are drawn odd and small, with the edges placed first: HW = 1, G = 1, G = C, N = 1,
@@ -268,7 +268,7 @@ CHUNKS = [(family, k) for family, cases in CASES.items() for k in range(-(-len(c
 
 @pytest.fixture(scope="module")
 def target():
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     return current_target()
 
@@ -277,9 +277,9 @@ def target():
 def planned(target, tmp_path_factory):
     """The dispatcher's view a user has on this GPU (the packaged DB, no user DB); every case's
     configs; every instance compiled in parallel into the cubin cache first."""
-    from ckgen import db as dbmod
-    from ckgen.compile import compile_many
-    from ckgen.dispatch import Dispatcher
+    from ckgen.runtime import db as dbmod
+    from ckgen.runtime.compile import compile_many
+    from ckgen.runtime.dispatch import Dispatcher
 
     with pytest.MonkeyPatch.context() as m:
         m.setenv("CKGEN_SHIPPED_DB", str(dbmod.packaged_db_path()))
@@ -294,7 +294,7 @@ def planned(target, tmp_path_factory):
 
 @pytest.mark.parametrize("family,chunk", CHUNKS, ids=[f"{f}-{k}" for f, k in CHUNKS])
 def test_fuzz_matches_reference(family, chunk, planned, target):
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     bad = []
     for case in planned[family][chunk * CHUNK:(chunk + 1) * CHUNK]:
@@ -407,7 +407,7 @@ def test_fuzz_public_api_matches_reference(family, planned, poisoned_allocations
     import cupy
 
     import ckgen
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
 
     monkeypatch.setenv("CKGEN_SHIPPED_DB", str(dbmod.packaged_db_path()))
     monkeypatch.setenv("CKGEN_DB", str(tmp_path / "no-user-db.yaml"))

@@ -35,7 +35,7 @@ PLAN = {"groupnorm_bwd": (SHAPES, 8), "groupnorm_bwd_data": (SHAPES[:3] + SHAPES
 
 @pytest.fixture(scope="module")
 def target():
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     return current_target()
 
@@ -76,7 +76,7 @@ def _problem(op, shape, dtype, layout, act):
 @pytest.fixture(scope="module", autouse=True)
 def _prewarm(target):
     """Compile every instance these tests use in parallel first (into the cubin cache)."""
-    from ckgen.compile import compile_many
+    from ckgen.runtime.compile import compile_many
 
     srcs = []
     for name, (shapes, n) in PLAN.items():
@@ -94,7 +94,7 @@ CASES = [(name, s) for name, (shapes, _) in PLAN.items() for s in shapes]
 @pytest.mark.parametrize("dtype,layout,act", COMBOS)
 @pytest.mark.parametrize("name,shape", CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
 def test_configs_match_reference(name, dtype, layout, act, shape, target):
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     op = OPS[name]
     p = _problem(op, shape, dtype, layout, act)
@@ -125,7 +125,7 @@ def test_grid_barrier_configs_match_reference(shape, layout, dtype, act, target)
     """single_pass/fused with split > 8: one cooperative launch, A/B merged through the workspace
     at a grid-wide barrier, dgamma/dbeta folded after it. Several configs (whole pixel rows among
     them), each run three times on one workspace: the barrier's counter resets itself."""
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     checked = 0
     for name in ("groupnorm_bwd", "groupnorm_bwd_data"):
@@ -150,7 +150,7 @@ def test_grid_barrier_configs_match_reference(shape, layout, dtype, act, target)
 def test_cancellation_large_mean(dtype, layout, target):
     """x = 1000 + small noise (fp32; fp16/bf16 at the largest offset they resolve): xhat comes from
     x - mean with the forward's fp32 mean, so nothing cancels catastrophically."""
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     op = OPS["groupnorm_bwd"]
     p = op.parse_problem(N=2, C=64, H=32, W=32, G=8, dtype=dtype, layout=layout, activation="swish")
@@ -166,7 +166,7 @@ def test_deterministic_bitwise(layout, target):
     """dgamma/dbeta (and dx) are bitwise identical across runs, for every scheme and split."""
     import cupy
 
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     op = OPS["groupnorm_bwd"]
     p = op.parse_problem(N=8, C=256, H=32, W=32, G=32, dtype="fp32", layout=layout)

@@ -30,7 +30,7 @@ CONFIGS_PER_SHAPE = 10
 
 @pytest.fixture(scope="module")
 def target():
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     return current_target()
 
@@ -58,7 +58,7 @@ def _configs(problem, target, n, seed):
 @pytest.fixture(scope="module", autouse=True)
 def _prewarm(target):
     """Compile every instance these tests use in parallel first (into the cubin cache)."""
-    from ckgen.compile import compile_many
+    from ckgen.runtime.compile import compile_many
 
     srcs = []
     for (dt, lay, act), s in itertools.product(COMBOS, SHAPES):
@@ -70,7 +70,7 @@ def _prewarm(target):
 
 def _check_all(p, configs, target):
     """Every config against the float64 reference, on one set of fresh random inputs."""
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     h = Harness(OP, p)
     bad = []
@@ -112,7 +112,7 @@ def test_cancellation_large_mean(dtype, layout, target):
     tolerance. y = x*scale + shift with |shift| ~ |mean|*rstd loses log2(|mean|/std) ~ 10 bits of
     fp32 in that one FMA (PyTorch's kernel has the same form), so y's tolerance is widened 8x for
     fp32 only; a cancelling variance would be off by orders of magnitude, not by 8x."""
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     p = OP.parse_problem(N=2, C=64, H=32, W=32, G=8, dtype=dtype, layout=layout)
     rng = np.random.default_rng()
@@ -201,9 +201,9 @@ def test_bad_inputs_raise_clear_errors(call, exc, word):
 def test_dispatch_uses_db_entry_after_tune(tmp_path):
     """A tuned entry for this shape is what the next call uses."""
     import ckgen
-    from ckgen import db as dbmod
-    from ckgen.target import device_info
-    from ckgen.tune import TuneRequest, db_entry, tune_problem
+    from ckgen.runtime import db as dbmod
+    from ckgen.runtime.target import device_info
+    from ckgen.tuner.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     p = OP.parse_problem(N=2, C=64, H=16, W=16, G=8, dtype="fp16", layout="nhwc")

@@ -12,9 +12,10 @@ cupy = pytest.importorskip("cupy")
 import torch.nn.functional as F  # noqa: E402
 
 import ckgen  # noqa: E402
-from ckgen import db as dbmod  # noqa: E402
-from ckgen import online, settings  # noqa: E402
-from ckgen.online import OnlineTuningWarning  # noqa: E402
+from ckgen.runtime import db as dbmod  # noqa: E402
+from ckgen.tuner import online
+from ckgen import settings  # noqa: E402
+from ckgen.tuner.online import OnlineTuningWarning  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

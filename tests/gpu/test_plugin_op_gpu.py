@@ -35,7 +35,7 @@ def op(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def info():
-    from ckgen.target import device_info
+    from ckgen.runtime.target import device_info
 
     return device_info(None)
 
@@ -58,8 +58,8 @@ def _tensors(p, seed: int = 0):
 
 def _call(op, x, s):
     """y = x * s[c] through the dispatcher, as an op's public function calls it (plan_for)."""
-    from ckgen.dispatch import Output, plan_for
-    from ckgen.tensors import as_device_tensor, layout_of
+    from ckgen.runtime.dispatch import Output, plan_for
+    from ckgen.runtime.tensors import as_device_tensor, layout_of
 
     xt, st = as_device_tensor(x, "x"), as_device_tensor(s, "s")
     layout = layout_of(xt, "x")
@@ -83,9 +83,9 @@ def test_tune_then_dispatch(op, info, dtype, layout) -> None:
     import torch
 
     import ckgen
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
     from ckgen import settings
-    from ckgen.tune import db_entry, tune_problem
+    from ckgen.tuner.tune import db_entry, tune_problem
 
     p = op.parse_problem(**SHAPE, dtype=dtype, layout=layout)
     r = tune_problem(op, p, info, trials=4, storage=None, seed=1)
@@ -104,7 +104,7 @@ def test_tune_then_dispatch(op, info, dtype, layout) -> None:
 @pytest.mark.parametrize("dtype,layout", list(itertools.product(DTYPES, LAYOUTS)))
 def test_untuned_call_and_every_config(op, info, dtype, layout) -> None:
     from ckgen.instance import render_instance
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     p = op.parse_problem(N=3, C=40, H=7, W=8, dtype=dtype, layout=layout)
     x, s, xv, sv = _tensors(p, seed=1)

@@ -51,7 +51,7 @@ def _id(case) -> str:
 
 @pytest.fixture(scope="module")
 def target():
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     return current_target()
 
@@ -99,7 +99,7 @@ def _inputs(op, p, rng, special=True):
 @pytest.fixture(scope="module", autouse=True)
 def _prewarm(target):
     """Compile every instance the harness tests use, in parallel, into the cubin cache."""
-    from ckgen.compile import compile_many
+    from ckgen.runtime.compile import compile_many
 
     srcs = []
     for (name, kw), dt, lay in itertools.product(CASES, DTYPES, LAYOUTS):
@@ -113,7 +113,7 @@ def _prewarm(target):
 @pytest.mark.parametrize("dtype,layout", list(itertools.product(DTYPES, LAYOUTS)))
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_configs_match_reference(case, dtype, layout, target):
-    from ckgen.verify import Harness
+    from ckgen.runtime.verify import Harness
 
     name, kw = case
     op = get_op(name)
@@ -327,10 +327,10 @@ def test_bad_inputs_raise_before_launch():
 
 def test_dispatch_uses_tuned_entry():
     import ckgen
-    from ckgen import db as dbmod
+    from ckgen.runtime import db as dbmod
     from ckgen import settings
-    from ckgen.target import device_info
-    from ckgen.tune import TuneRequest, db_entry, tune_problem
+    from ckgen.runtime.target import device_info
+    from ckgen.tuner.tune import TuneRequest, db_entry, tune_problem
 
     info = device_info(None)
     op = get_op("maxpool2d_fwd")

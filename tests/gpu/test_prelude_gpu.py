@@ -39,7 +39,7 @@ def test_bf16_rounding_on_the_device_matches_the_host() -> None:
     cvt.rn.bf16x2.f32) give the host's round-to-nearest-even bits; NaN stays NaN (on CUDA the
     canonical NaN: its payload is not kept)."""
     cupy = pytest.importorskip("cupy")
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     target = current_target()
     rng = np.random.default_rng(0)

@@ -51,9 +51,9 @@ def _prewarm():
 
     try:
         import ckgen
-        from ckgen.compile import compile_many, load_kernel
+        from ckgen.runtime.compile import compile_many, load_kernel
         from ckgen.instance import render_instance
-        from ckgen.target import current_target
+        from ckgen.runtime.target import current_target
         from ckgen.torch.ops import _pool_fields
 
         target = current_target()
@@ -584,7 +584,7 @@ def test_problem_the_dispatcher_cannot_serve_falls_back_inside_the_op():
     """4096 channels in one group, channels-last: no GroupNorm config takes it; the op runs
     PyTorch's computation (logged once, counted), with the same output layout and values."""
     import ckgen
-    from ckgen.target import current_target
+    from ckgen.runtime.target import current_target
 
     try:
         ckgen.explain("groupnorm_fwd", N=1, C=4096, H=4, W=4, G=1, dtype="fp32", layout="nhwc",

@@ -22,11 +22,11 @@ cupy = pytest.importorskip("cupy")
 optuna = pytest.importorskip("optuna")
 
 from ckgen import cli  # noqa: E402
-from ckgen import db as dbmod  # noqa: E402
-from ckgen import tune  # noqa: E402
-from ckgen import workers as wk  # noqa: E402
+from ckgen.runtime import db as dbmod  # noqa: E402
+from ckgen.tuner import tune  # noqa: E402
+from ckgen.tuner import workers as wk  # noqa: E402
 from ckgen.ops import get_op  # noqa: E402
-from ckgen.target import device_info  # noqa: E402
+from ckgen.runtime.target import device_info  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -1,8 +1,10 @@
 """Why did the device's prev-model held-out run take a spilling pick? Print the ranking and the check."""
 import os
 import ckgen
-from ckgen import library, spill, model as cm
-from ckgen.dispatch import dispatcher
+from ckgen.offline import library
+from ckgen.runtime import spill
+from ckgen import model as cm
+from ckgen.runtime.dispatch import dispatcher
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
 print("CKGEN_MODEL", os.environ.get("CKGEN_MODEL"), "ckgen at", ckgen.__file__)

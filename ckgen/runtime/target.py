@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from .types import Target
+from ..types import Target
 
 
 class NoGPUError(RuntimeError):

@@ -28,7 +28,7 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from .types import Config
+from ..types import Config
 
 STRATEGIES = ("gp", "gp-global", "tpe", "random", "optuna-gp")
 DEFAULT_STRATEGY = "gp"

@@ -3,18 +3,18 @@ holds: the exhaustive sweeps (tests/data/sweeps), every trial of the DB tuning r
 (bench/results/tuning), the shipped DB's winners and default timings, and the suite benchmarks
 (bench/results/*.json), never the held-out problems (bench/heldout.yaml). `tools/build_records.py`
 writes them and refits the cost model on them. An offline job: it reads the DB and the sweeps,
-which the records format itself (ckgen/records.py) does not need."""
+which the records format itself (ckgen/model/records.py) does not need."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
 
-from .ops import all_ops, get_op
-from .ops.spec import Config, OpSpec, Problem, Target
-from . import db as dbmod
-from .records import SWEEP_SOURCE, legacy_kernel_version, make_record, read
-from .replay import load_sweep, sweep_paths
+from ..ops import all_ops, get_op
+from ..ops.spec import Config, OpSpec, Problem, Target
+from ..runtime import db as dbmod
+from ..model.records import SWEEP_SOURCE, legacy_kernel_version, make_record, read
+from ..tuner.replay import load_sweep, sweep_paths
 
 
 def _config_of_instance(op: OpSpec, p: Problem, target: Target, instance: str) -> Config | None:

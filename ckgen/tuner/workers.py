@@ -24,7 +24,7 @@ from one optuna storage; the same command on another machine with the same Postg
   the next scan after GRACE_S fails them (`optuna.storages.fail_stale_trials`), and their configs
   are proposed again; what finished is never measured again (every trial holds a distinct config).
 - **Backends**: `GpuBackend` measures on the GPU the process sees (CUDA_VISIBLE_DEVICES pins it);
-  `ckgen.replay.ReplayBackend` answers from recorded or synthetic times (the tests).
+  `ckgen.tuner.replay.ReplayBackend` answers from recorded or synthetic times (the tests).
 """
 from __future__ import annotations
 
@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import tune
-from .bench import Timing
-from .compile import pool_closed as compile_pool_closed
-from .compile import share_cpus as compile_share_cpus
-from .ops import get_op
-from .ops.spec import OpSpec, Problem
-from .types import Config
+from ..runtime.bench import Timing
+from ..runtime.compile import pool_closed as compile_pool_closed
+from ..runtime.compile import share_cpus as compile_share_cpus
+from ..ops import get_op
+from ..ops.spec import OpSpec, Problem
+from ..types import Config
 
 RUN_PREFIX = "ckgen-run|"
 RUN_ATTR, WORKER_ATTR = "run", "worker"  # trial user attrs
@@ -112,13 +112,13 @@ class GpuBackend:
     """Measures on the GPU this process sees (device 0 after CUDA_VISIBLE_DEVICES pinning)."""
 
     def __init__(self) -> None:
-        from .target import device_info
+        from ..runtime.target import device_info
 
         self.info = device_info(None)
 
     def evaluator(self, op: OpSpec, problem: Problem) -> Any:
-        from .bench import Timer
-        from .verify import Harness
+        from ..runtime.bench import Timer
+        from ..runtime.verify import Harness
 
         return tune.Objective(op, problem, self.info.target, Harness(op, problem, seed=None),
                               Timer(self.info.l2_bytes))
@@ -127,7 +127,7 @@ class GpuBackend:
         return None
 
     def recorder(self, op: OpSpec, problem: Problem) -> Callable[..., None] | None:
-        from .records import Recorder
+        from ..model.records import Recorder
 
         return Recorder(op, problem, self.info.target, self.info.name)
 
@@ -136,12 +136,12 @@ class GpuBackend:
 
     def model(self) -> Any:
         """The cost model the sampler's prior mean comes from (`tune.TuneRequest.model`)."""
-        from . import model as cm
+        from .. import model as cm
 
         return cm.load()
 
     def copy(self, op: OpSpec, problem: Problem) -> Timing:
-        from .bench import Timer
+        from ..runtime.bench import Timer
 
         return Timer(self.info.l2_bytes).copy_time(op.min_bytes(problem))
 
@@ -478,7 +478,7 @@ class _Worker:
         entry = tune.db_entry(r, self.info, prov)
         saved = None
         if self.spec.db:
-            from . import db as dbmod
+            from ..runtime import db as dbmod
 
             try:
                 dbmod.save_entries(self.spec.db, [entry])
@@ -733,7 +733,7 @@ def read_results(spec: RunSpec, arch: str, device: str, run_id: str) -> dict[str
     final round stored: the winner's entry and the table's values, or an error)."""
     import optuna
 
-    from .types import Target
+    from ..types import Target
 
     storage = tune.open_storage(spec.storage)
     op, target = get_op(spec.op), Target.named(arch)
@@ -784,7 +784,7 @@ def pull_entries(url: str) -> Pulled:
     whose data cannot make an entry (one study's bad data never stops the pull)."""
     import optuna
 
-    from .codegen import templates_digest
+    from ..codegen import templates_digest
 
     storage = tune.open_storage(url)
     digest = templates_digest()[:12]
@@ -806,12 +806,12 @@ def _pull_study(storage: Any, name: str, digest: str, skipped: list[str]) -> Any
     """The DB entry of one study for `pull_entries`, or None with the reason in `skipped`."""
     from optuna.trial import TrialState
 
-    from ._version import __version__
-    from .bench import gbps
-    from .db import DBError, Entry
-    from .instance import render_instance
+    from .._version import __version__
+    from ..runtime.bench import gbps
+    from ..runtime.db import DBError, Entry
+    from ..instance import render_instance
     from .sampler import FAILURE_ATTR
-    from .types import Target
+    from ..types import Target
 
     parts = name.split("|")
     if len(parts) != 5:

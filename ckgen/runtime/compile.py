@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import parsecache, settings
-from .codegen import KernelSource
-from .types import Target
+from .. import parsecache, settings
+from ..codegen import KernelSource
+from ..types import Target
 
 NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
 

@@ -14,7 +14,7 @@ as the op's `bench_callables` gives them:
   F.max_pool2d / F.avg_pool2d and aten's pooling backward ops;
 - compile: torch.compile of the eager function (dynamic=False).
 
-GPU-only us: CUDA events around each call with L2 flushed before it, median (ckgen.bench.Timer,
+GPU-only us: CUDA events around each call with L2 flushed before it, median (ckgen.runtime.bench.Timer,
 as the tuner times). Host-inclusive us: Timer.back_to_back, rounds of back-to-back calls timed
 event to event, per call, median: what a Python caller sees, dispatch overhead included (no L2
 flush between calls), as bench/*.py report it.
@@ -36,7 +36,7 @@ class _BenchOps(Sequence):
     registration order; read at each use, so an op registered later is in it."""
 
     def _names(self) -> tuple[str, ...]:
-        from .ops import registered_ops
+        from ..ops import registered_ops
 
         return tuple(o.name for o in registered_ops() if o.bench_ready)
 
@@ -60,7 +60,7 @@ OPS: Sequence[str] = _BenchOps()
 
 
 def suite(op_name: str, quick: bool) -> list[Any]:
-    from .ops import get_op
+    from ..ops import get_op
 
     problems = get_op(op_name).default_problems()
     return problems[::3] if quick else problems
@@ -70,8 +70,8 @@ def callables(op_name: str, p: Any, device: str = "cuda") -> tuple[Callable[[], 
     """(ckgen call, eager call, what eager runs) on fresh inputs for problem p, on `device` (the
     ckgen call runs on a GPU only; the eager one anywhere, which the CPU tests use): the op's
     `bench_callables`."""
-    from .api import functions
-    from .ops import get_op
+    from ..runtime.api import functions
+    from ..ops import get_op
 
     if op_name not in OPS:
         raise ValueError(f"op: {op_name!r} is not one of {', '.join(OPS)}")
@@ -82,10 +82,9 @@ def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, lo
     """Time every problem of `ops`; write the report; return the markdown's path."""
     import torch
 
-    import ckgen
-
-    from .bench import Timer
-    from .target import device_info
+    from ..runtime.api import explain
+    from ..runtime.bench import Timer
+    from ..runtime.target import device_info
 
     info = device_info(None)
     timer = Timer(info.l2_bytes, warmup=3, runs=20)
@@ -96,7 +95,7 @@ def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, lo
             try:
                 ours, eager, eager_kind = callables(op_name, p)
                 row["eager_kind"] = eager_kind
-                row["source"] = ckgen.explain(op_name, arch=info.target.arch,
+                row["source"] = explain(op_name, arch=info.target.arch,
                                               **_explain_fields(op_name, p)).source
                 fns = {"ckgen": ours, "eager": eager}
                 if compile:
@@ -119,7 +118,7 @@ def run(ops: list[str], out: Path, quick: bool = False, compile: bool = True, lo
 
 
 def _explain_fields(op_name: str, p: Any) -> dict[str, Any]:
-    from .ops import get_op
+    from ..ops import get_op
 
     return get_op(op_name).explain_fields(p)
 
@@ -147,13 +146,13 @@ def _f(v: float | None, spec: str = ".1f") -> str:
 def write(rows: list[dict[str, Any]], info: Any, out: Path, quick: bool) -> Path:
     import torch
 
-    import ckgen
+    from .._version import __version__
 
     out.mkdir(parents=True, exist_ok=True)
     dev = re.sub(r"[^A-Za-z0-9]+", "-", info.name).strip("-")
     ok = [r for r in rows if "error" not in r]
     lines = [f"# ckgen bench on {info.name} ({info.target.arch})", "",
-             f"ckgen {ckgen.__version__}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+             f"ckgen {__version__}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
              f"{', --quick' if quick else ''}. GPU-only: CUDA events, L2 flushed before each call, median of 20. "
              "Host-inclusive: rounds of back-to-back calls, event to event, per call, median. "
              "eager: PyTorch's op (column 'eager runs'); compile: torch.compile of it. "

@@ -18,14 +18,14 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from . import db as dbmod
-from . import settings
-from .codegen import KernelSource
-from .compile import nvrtc_missing
-from .instance import render_instance
-from .ops import all_ops, get_op
-from .ops.spec import OpSpec
-from .types import Config, Target
+from ..runtime import db as dbmod
+from .. import settings
+from ..codegen import KernelSource
+from ..runtime.compile import nvrtc_missing
+from ..instance import render_instance
+from ..ops import all_ops, get_op
+from ..ops.spec import OpSpec
+from ..types import Config, Target
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ _SMEM = re.compile(r"(\d+) bytes smem")  # absent when a kernel uses no shared m
 def _build_cuda(inst: Instance) -> Built:
     from cupy.cuda import nvrtc
 
-    from .compile import NVRTC_OPTIONS
+    from ..runtime.compile import NVRTC_OPTIONS
 
     prog = nvrtc.createProgram(inst.source.code, inst.file, [], [])
     try:
@@ -197,7 +197,7 @@ def _build_cuda(inst: Instance) -> Built:
     if not report:  # no ptxas report in the log (seen where another process had compiled the same source
         # before): what the cubin says, for all its kernels at once; its stack frame stands for
         # the spill (ckgen's kernels keep no local arrays: a frame is spill space)
-        from .compile import cubin_resources
+        from ..runtime.compile import cubin_resources
 
         res = cubin_resources(cubin)
         if res is not None:

@@ -2,7 +2,7 @@
 
 Same semantics as torch.nn.functional.group_norm (then F.silu with activation="swish") and its
 gradients. Inputs are torch CUDA tensors or CuPy arrays (bf16 as `ckgen.bfloat16(uint16_array)`),
-NCHW or channels-last; outputs keep x's layout and framework. See `ckgen.api` for the fast path."""
+NCHW or channels-last; outputs keep x's layout and framework. See `ckgen.runtime.api` for the fast path."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..dispatch import Output, dispatcher, plan_for, remember
-from ..ops import get_op
+from ...ops import get_op
 from ..tensors import ALIGN, Slow, sig
 
 _CALLS = dispatcher().calls

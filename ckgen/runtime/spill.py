@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from . import compile as _compile
-from .instance import render_instance
-from .ops.spec import OpSpec
-from .types import Config, Target
+from ..instance import render_instance
+from ..ops.spec import OpSpec
+from ..types import Config, Target
 
 _SPILLS: dict[str, int | None] = {}
 

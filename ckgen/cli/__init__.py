@@ -3,7 +3,7 @@ db pull | db merge`.
 
 Every option is checked before anything runs (and before the GPU check): a bad one ends the
 command with one line naming it, exit code 2, never a traceback. Tables print as `--format
-table|tsv|json` (ckgen.output): a terminal gets a table whose identifiers are never cut, a pipe
+table|tsv|json` (ckgen.cli.output): a terminal gets a table whose identifiers are never cut, a pipe
 gets tab-separated text. Progress is bars on a terminal and one line per finished step elsewhere
 (`_Steps`). `--db` names the user DB everywhere: it is layered over the shipped DB by every
 command, as the dispatcher layers them."""
@@ -21,12 +21,12 @@ from typing import Any, Callable, Sequence
 
 from rich.console import Console
 
-from ._version import __version__
+from .._version import __version__
 from .output import FORMATS, Col, Sheet, emit, resolve
 
 console = Console(soft_wrap=True, highlight=False)
 err = Console(stderr=True, soft_wrap=True, highlight=False)
-SAMPLERS = ("gp", "tpe", "random")  # ckgen.sampler.STRATEGIES less optuna-gp (needs torch)
+SAMPLERS = ("gp", "tpe", "random")  # ckgen.tuner.sampler.STRATEGIES less optuna-gp (needs torch)
 
 
 class UsageError(Exception):
@@ -81,7 +81,7 @@ def _seconds(text: str) -> float:
 
 
 def _workers(text: str) -> int | str:
-    from .workers import parse_workers
+    from ..tuner.workers import parse_workers
 
     try:
         return parse_workers(text)
@@ -103,7 +103,7 @@ def _user_db(args: argparse.Namespace, *, write: bool = False) -> Path:
     """The user DB path (--db, else $CKGEN_DB, else the cache dir's), checked: a folder, or a
     path under a file, is a usage error naming where the path came from; with `write` (the
     command saves to it), so is a path that is not a regular file or whose folder takes no file."""
-    from . import settings
+    from .. import settings
 
     if getattr(args, "db", None):
         path, origin = Path(args.db), "--db"
@@ -117,7 +117,7 @@ def _user_db(args: argparse.Namespace, *, write: bool = False) -> Path:
     if parent is not None and not parent.is_dir():
         raise UsageError(f"{origin}: {path} lies under {parent}, which is a file, not a directory")
     if write:
-        from .db import destination_problem
+        from ..runtime.db import destination_problem
 
         why = destination_problem(path)
         if why:
@@ -128,7 +128,7 @@ def _user_db(args: argparse.Namespace, *, write: bool = False) -> Path:
 def _layers(args: argparse.Namespace) -> tuple[Path, Any, Any, Any]:
     """(user DB path, user DB, shipped DB, the layered view) for the CLI: strict (a corrupt file
     is a DBError, reported as one line)."""
-    from . import db as dbmod
+    from ..runtime import db as dbmod
 
     path = _user_db(args)
     user = dbmod.InstanceDB.load(path)
@@ -137,7 +137,7 @@ def _layers(args: argparse.Namespace) -> tuple[Path, Any, Any, Any]:
 
 
 def _ops_option(text: str | None) -> list[str] | None:
-    from .ops import all_ops
+    from ..ops import all_ops
 
     if not text:
         return None
@@ -202,7 +202,7 @@ def _counted(k: int, n: int) -> str:
 def _option_groups() -> list[Any]:
     """The registered op families' problem option groups (`OpSpec.problem_options`), each once,
     in the order their first op was registered."""
-    from .ops import registered_ops
+    from ..ops import registered_ops
 
     groups: dict[str, Any] = {}
     for op in registered_ops():
@@ -233,7 +233,7 @@ def _field_flags() -> dict[str, str]:
 
 
 def _check_problem_options(op: Any, args: argparse.Namespace) -> None:
-    from .ops import all_ops
+    from ..ops import all_ops
 
     for dest, opt in problem_flags().items():
         if getattr(args, dest, None) is None:
@@ -279,9 +279,9 @@ def _check_storage(url: str | None, *, existing: bool = False) -> None:
     that is not there (optuna would create an empty one). Messages are masked (`_storage_error`)."""
     if url is None:
         return
-    from . import storage_url
-    from .db import folder_problem
-    from .tune import storage_problem
+    from ..tuner import storage_url
+    from ..runtime.db import folder_problem
+    from ..tuner.tune import storage_problem
 
     try:
         why = storage_problem(url)
@@ -300,7 +300,7 @@ def _check_storage(url: str | None, *, existing: bool = False) -> None:
 
 def _storage_error(why: Any, url: str | None) -> UsageError:
     """A --storage error: one line, every password of `url` (and any other) masked."""
-    from .storage_url import message
+    from ..tuner.storage_url import message
 
     return UsageError(f"--storage: {message(str(why), url)}")
 
@@ -318,8 +318,8 @@ def _result_sheet(title: str, extra_cols: Sequence[Col] = ()) -> Sheet:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .ops import get_op
-    from .target import gpu_status
+    from ..ops import get_op
+    from ..runtime.target import gpu_status
 
     op = get_op(args.op)  # argparse checked the name
     _check_problem_options(op, args)
@@ -335,10 +335,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
-    from . import settings
-    from .target import device_info
-    from .storage_url import shown as shown_url
-    from .tune import TuneRequest
+    from .. import settings
+    from ..runtime.target import device_info
+    from ..tuner.storage_url import shown as shown_url
+    from ..tuner.tune import TuneRequest
 
     if args.skip_tuned:
         problems = _untuned(op, args, problems, device_info(None).target.arch)
@@ -394,8 +394,8 @@ def _tune_and_save(request: Any, info: Any, db_path: Path, bar: Any, step: str,
     was not saved (said on stderr). A study storage failure stops the command (UsageError)."""
     import time
 
-    from . import db as dbmod
-    from .tune import StudyStorageError, save_result, tune_problem
+    from ..runtime import db as dbmod
+    from ..tuner.tune import StudyStorageError, save_result, tune_problem
 
     key = request.problem.key()
     t0 = time.monotonic()
@@ -423,7 +423,7 @@ def _untuned(op: Any, args: argparse.Namespace, problems: list[Any], arch: str) 
     user DB over the shipped one), so that a grid tuned over several runs (each cut by
     --total-timeout) goes on where the last one stopped. A stale entry (its template changed since
     it was tuned: `db.entry_verified`) does not count: the dispatcher would not use it either."""
-    from .db import entry_verified
+    from ..runtime.db import entry_verified
 
     layered = _layers(args)[3]
     todo, stale = [], 0
@@ -462,14 +462,15 @@ def _tune_list(op: Any, args: argparse.Namespace, problems: list[Any]) -> int:
 
 
 def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_path: Path) -> int:
-    """`ckgen tune ... --workers N|auto`: worker processes (ckgen/workers.py), one bar per worker
+    """`ckgen tune ... --workers N|auto`: worker processes (ckgen/tuner/workers.py), one bar per worker
     and a total, then the table of every problem's result (from the storage: those another
     machine's workers finished too)."""
     from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
-    from . import settings, workers as wk
-    from .storage_url import mask, shown
+    from .. import settings
+    from ..tuner import workers as wk
+    from ..tuner.storage_url import mask, shown
 
     fmt = resolve(args.format, console)
     info_out = _info(fmt)
@@ -567,11 +568,11 @@ def _tune_workers(args: argparse.Namespace, op: Any, problems: list[Any], db_pat
 def cmd_explain(args: argparse.Namespace) -> int:
     """`ckgen explain OP [problem options] [--arch ARCH]`: ckgen.explain for each problem, as a
     table (problem, instance, where the choice came from, why). Needs a GPU only without --arch."""
-    from . import settings
-    from .dispatch import dispatcher
-    from .ops import get_op
-    from .target import gpu_status
-    from .types import Target
+    from .. import settings
+    from ..runtime.dispatch import dispatcher
+    from ..ops import get_op
+    from ..runtime.target import gpu_status
+    from ..types import Target
 
     op = get_op(args.op)  # argparse checked the name
     _check_problem_options(op, args)
@@ -589,7 +590,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if why:
             raise UsageError(f"no usable GPU ({why}); to explain a problem without a GPU, pass --arch "
                              "(e.g. --arch sm_90)")
-        from .target import current_target
+        from ..runtime.target import current_target
 
         target = current_target()
     if getattr(args, "db", None):  # the user DB the dispatcher reads
@@ -636,7 +637,7 @@ def _entries_sheet(user: Any, layered: Any, op: str | None = None) -> Sheet:
 
 def _op_option(name: str | None, flag: str = "--op") -> Any:
     """The op named by `flag` (None: none given); an unknown name is a usage error listing them."""
-    from .ops import all_ops, get_op
+    from ..ops import all_ops, get_op
 
     if name is None:
         return None
@@ -653,7 +654,7 @@ def _value(v: Any) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     """The ops: their tunables and problem grids (`--op NAME`: one op, every tunable's values and
     every grid's size). The DB's entries are `ckgen db show`'s."""
-    from .ops import all_ops
+    from ..ops import all_ops
 
     op = _op_option(args.op)
     _user_db(args)  # read by no list, but checked as every command checks it
@@ -692,7 +693,7 @@ def cmd_db_show(args: argparse.Namespace) -> int:
 
 
 def cmd_db_export(args: argparse.Namespace) -> int:
-    from . import db as dbmod
+    from ..runtime import db as dbmod
 
     dbmod.export_csv(_layers(args)[3], sys.stdout)
     return 0
@@ -700,10 +701,10 @@ def cmd_db_export(args: argparse.Namespace) -> int:
 
 def cmd_db_pull(args: argparse.Namespace) -> int:
     """DB entries from the finished studies of a storage (another machine's workers' winners)."""
-    from . import db as dbmod
-    from .storage_url import mask, shown
-    from .tune import StudyStorageError
-    from .workers import pull_entries
+    from ..runtime import db as dbmod
+    from ..tuner.storage_url import mask, shown
+    from ..tuner.tune import StudyStorageError
+    from ..tuner.workers import pull_entries
 
     path = _user_db(args, write=True)
     _check_storage(args.storage, existing=True)
@@ -738,7 +739,7 @@ def cmd_db_pull(args: argparse.Namespace) -> int:
 
 def cmd_db_merge(args: argparse.Namespace) -> int:
     """Merge DB files: per (op, arch, problem), the verified then faster entry; ties by date."""
-    from . import db as dbmod
+    from ..runtime import db as dbmod
 
     out = Path(args.output)
     why = dbmod.destination_problem(out)  # up front: not after minutes of verifying, nor a 60 s lock wait
@@ -763,9 +764,9 @@ def cmd_db_where(args: argparse.Namespace) -> int:
     from which), studies, kernels, templates, tuning spaces, ROCm. A place that cannot be used
     (a corrupt DB, a path that is a folder, a setting that does not parse) is reported in its
     row, and the others still are; the exit code is then 1."""
-    from . import db as dbmod
-    from . import settings
-    from .resources import templates_dir, tuning_spaces_dir
+    from ..runtime import db as dbmod
+    from .. import settings
+    from ..resources import templates_dir, tuning_spaces_dir
 
     env = os.environ.get
     places = Sheet("places", "where ckgen reads and writes", (
@@ -817,7 +818,8 @@ def cmd_db_where(args: argparse.Namespace) -> int:
     place("compiled kernels", lambda: (str(settings.kernel_cache_dir()), f"${settings.ENV_KERNEL_CACHE}"
                                        if os.environ.get(settings.ENV_KERNEL_CACHE) else "the cache dir",
                                        "exists" if settings.kernel_cache_dir().is_dir() else "not created yet"))
-    from . import model as cost_model, records
+    from .. import model as cost_model
+    from ..model import records
 
     def model_row() -> Any:
         model = cost_model.model_path()
@@ -866,7 +868,7 @@ def cmd_db_where(args: argparse.Namespace) -> int:
 def _check_out_folder(out: Path, check: bool) -> None:
     """generate --out: with --check, a folder that exists; else a folder, or a path where one
     can be created."""
-    from .db import folder_problem
+    from ..runtime.db import folder_problem
 
     if check and not os.path.lexists(out):
         raise UsageError(f"--out: {out} does not exist, so there is nothing to check; run `ckgen generate` "
@@ -882,8 +884,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import tempfile
     import time
 
-    from . import library
-    from .types import Target
+    from ..offline import library
+    from ..types import Target
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     if not targets:
@@ -972,7 +974,7 @@ def _render(library: Any, targets: list[str], ops: list[str] | None, db: Any, *,
     per rendered (target, op)."""
     import time
 
-    from .ops import all_ops, get_op
+    from ..ops import all_ops, get_op
 
     specs = [get_op(o) for o in ops] if ops else all_ops()
     sizes = {o.name: len(library.problems(o, db)) for o in specs}
@@ -1032,8 +1034,8 @@ def _build(library: Any, todo: list[Any], jobs: int | None) -> list[Any]:
 
 
 def cmd_retune(args: argparse.Namespace) -> int:
-    from .target import gpu_status
-    from .types import Target
+    from ..runtime.target import gpu_status
+    from ..types import Target
 
     ops = _ops_option(args.ops)
     if args.from_arch is not None:
@@ -1049,10 +1051,10 @@ def cmd_retune(args: argparse.Namespace) -> int:
         raise _no_gpu(why)
     import time
 
-    from . import settings
-    from .ops import get_op
-    from .target import device_info
-    from .tune import TuneRequest, retune_plan
+    from .. import settings
+    from ..ops import get_op
+    from ..runtime.target import device_info
+    from ..tuner.tune import TuneRequest, retune_plan
 
     fmt = resolve(args.format, console)
     info_out = _info(fmt)
@@ -1110,7 +1112,7 @@ def _retune_sheet(info: Any) -> Sheet:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .opbench import OPS
+    from ..offline.opbench import OPS
 
     ops = _ops_option(args.ops) or list(OPS)
     missing = [o for o in ops if o not in OPS]
@@ -1121,12 +1123,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         __import__("torch")  # the comparison runs PyTorch's ops
     except ImportError:
         raise UsageError("needs PyTorch (pip install 'ckgen[torch]')") from None
-    from .target import gpu_status
+    from ..runtime.target import gpu_status
 
     why = gpu_status()
     if why:
         raise _no_gpu(why)
-    from .opbench import run
+    from ..offline.opbench import run
 
     if db_path is not None:  # the user DB the dispatcher reads
         os.environ["CKGEN_DB"] = str(db_path)
@@ -1211,7 +1213,7 @@ def _option_kwargs(o: Any) -> dict[str, Any]:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .ops import all_ops
+    from ..ops import all_ops
 
     op_names = [o.name for o in all_ops()]
     p = _Parser(prog="ckgen", description="Generate, tune and dispatch GPU kernels for GroupNorm and pooling.")
@@ -1311,7 +1313,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from . import db as dbmod
+    from ..runtime import db as dbmod
 
     try:
         args = parser().parse_args(argv)
@@ -1319,7 +1321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     prog = args.prog
     show = warnings.showwarning
-    from .storage_url import mask
+    from ..tuner.storage_url import mask
 
     url = getattr(args, "storage", None)  # masked in every message, whatever raised it
 
@@ -1349,7 +1351,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
         return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,14 +4,14 @@
 Inputs are CuPy arrays (bf16 as `ckgen.bfloat16(uint16_array)`) or torch CUDA tensors, NCHW or
 channels-last; outputs keep the input's layout and framework. Indices are int64, flat h*W + w
 within each (n, c) plane. Every argument is checked before anything is launched; a bad one
-raises ValueError/TypeError whose message starts with the argument's name. See `ckgen.api`
+raises ValueError/TypeError whose message starts with the argument's name. See `ckgen.runtime.api`
 for the fast path."""
 from __future__ import annotations
 
 from typing import Any
 
 from ..dispatch import Output, dispatcher, plan_for, remember
-from ..ops import get_op
+from ...ops import get_op
 from ..tensors import ALIGN, Slow, check_like, sig
 
 _CALLS = dispatcher().calls

@@ -5,7 +5,7 @@ for the best of the configs that won anywhere and their neighbours; without a mo
 back to the nearest tuned problem whose config is valid here, else to the space's default (or
 the valid config nearest to it), and says so once per problem through the `ckgen` logger.
 Asked (`CKGEN_TUNE=1`, a `ckgen.tuning()` block), a plan's selection tunes the problem first
-(ckgen/online.py), once per problem and process, and selects the new DB entry.
+(ckgen/tuner/online.py), once per problem and process, and selects the new DB entry.
 
 Launch goes through a `Plan`, built once per (op, problem, device, pointer alignment class,
 framework): the choice, the loaded kernels, their grids, the kernel-argument buffer with the
@@ -13,7 +13,7 @@ problem's scalars already in it, the output allocators and the workspace size. A
 known signature then does only: allocate outputs -> write the pointers into the argument
 buffer -> cuLaunchKernel per kernel, on torch's current stream for torch inputs (CuPy's for
 CuPy arrays). Workspaces come from the caller's allocator (torch's caching allocator, CuPy's
-pool), so calls can be captured in CUDA graphs. The public op modules (`ckgen.api.*`) map a
+pool), so calls can be captured in CUDA graphs. The public op modules (`ckgen.runtime.api.*`) map a
 call's arguments to a plan: `api.callkeys` caches signature -> plan."""
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from . import db as dbmod
-from . import settings
-from .codegen import KernelSource
-from .instance import render_instance
-from .ops.spec import Config, OpSpec, Problem, Target
+from .. import settings
+from ..codegen import KernelSource
+from ..instance import render_instance
+from ..ops.spec import Config, OpSpec, Problem, Target
 
 log = logging.getLogger("ckgen")
 
@@ -167,7 +167,7 @@ class Dispatcher:
                 stale = "tuned entry is stale (template changed since tuning); "
             else:
                 stale = f"tuned entry unusable ({why}); "
-        from . import model  # the cost model's pick among every config that won and its neighbours
+        from .. import model  # the cost model's pick among every config that won and its neighbours
         from .spill import spill_free  # NHWC pooling forward: passes over picks whose cubins spill
 
         accept = spill_free(op, problem, target)
@@ -225,7 +225,7 @@ def dispatcher() -> Dispatcher:
 
 
 # ---------------------------------------------------------------------------------------------
-# The untuned hook: what a plan's untuned choice may do first (online tuning, ckgen/online.py,
+# The untuned hook: what a plan's untuned choice may do first (online tuning, ckgen/tuner/online.py,
 # registers itself when imported). The runtime never imports the tuner.
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)

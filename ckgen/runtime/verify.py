@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .ops.numeric import max_violation
-from .ops.spec import OpSpec, Problem
+from ..ops.numeric import max_violation
+from ..ops.spec import OpSpec, Problem
 
 
 @dataclass(frozen=True)

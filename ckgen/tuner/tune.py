@@ -1,7 +1,7 @@
 """One optuna study per problem. The sampler proposes only valid configs no trial holds yet
-(ckgen/sampler.py: a Gaussian process by default), seeded with the default config, the cost
+(ckgen/tuner/sampler.py: a Gaussian process by default), seeded with the default config, the cost
 model's picks (ckgen/model/) and the op's own heuristic picks. Every measurement is
-appended to the records file beside the user DB (ckgen/records.py): the cost model's training
+appended to the records file beside the user DB (ckgen/model/records.py): the cost model's training
 data. Proposals are compiled in parallel worker processes a few ahead of the GPU, and each
 result is told as it arrives, so the next proposal comes from the latest model. Wrong or failing
 candidates are failed trials with their reason. Budgets in trials and seconds; resumable from
@@ -12,7 +12,7 @@ The pipeline is written once: a `TuneRequest` (what to tune, the budget, the sea
 and a `Tuner` (model picks -> valid set -> incumbent -> search -> final round -> result) with the
 evaluator as its one seam (`Objective` on this GPU, `replay.ReplayEvaluator` on recorded times).
 `ckgen tune` and `ckgen retune` (`tune_problem`, then `save_result`), online tuning
-(ckgen/online.py) and the workers (ckgen/workers.py: claiming and reporting around it) use it."""
+(ckgen/tuner/online.py) and the workers (ckgen/tuner/workers.py: claiming and reporting around it) use it."""
 from __future__ import annotations
 
 import collections
@@ -27,15 +27,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from . import settings
-from .bench import Timer, Timing, gbps
-from .compile import CompileError, compile_many, ensure_cubin
-from .compile import pool as compile_pool
-from .instance import render_instance
-from .ops.spec import OpSpec, Problem
-from .types import Config, Target
-from .target import DeviceInfo
-from .verify import Harness
+from .. import settings
+from ..runtime.bench import Timer, Timing, gbps
+from ..runtime.compile import CompileError, compile_many, ensure_cubin
+from ..runtime.compile import pool as compile_pool
+from ..instance import render_instance
+from ..ops.spec import OpSpec, Problem
+from ..types import Config, Target
+from ..runtime.target import DeviceInfo
+from ..runtime.verify import Harness
 from .storage_url import quiet_heartbeat_notices
 
 quiet_heartbeat_notices()  # before any tuner thread saves the warning filters
@@ -96,7 +96,7 @@ def study_name(op: OpSpec, problem: Problem, target: Target, device: str = "") -
     """Resuming a study is only sound while the templates are unchanged: their digest is part
     of the name, so an edited template starts a fresh study instead of trusting old timings.
     The device name is part of it too: two GPUs of one arch do not share timings."""
-    from .codegen import templates_digest
+    from ..codegen import templates_digest
 
     return f"{op.name}|{target.arch}|{device}|{problem.key()}|{templates_digest()[:12]}"
 
@@ -298,7 +298,7 @@ class Heartbeat:
     it) for each item it holds: `beat(item)`, until the item is removed or the heartbeat closed. A
     failed beat is retried at the next; the work around it reports storage errors. Used for the
     trials a search holds (`trial_heartbeat`) and for a worker's claim on a final round
-    (ckgen/workers.py). `beat` None: it does nothing (a storage without heartbeats)."""
+    (ckgen/tuner/workers.py). `beat` None: it does nothing (a storage without heartbeats)."""
 
     def __init__(self, beat: Callable[[Any], None] | None):
         import threading
@@ -354,7 +354,7 @@ def trial_heartbeat(study: Any) -> Heartbeat:
 
 def _compile_job(src: Any, target: Target, cache: str) -> str | None:
     """In a worker process: the cubin into the disk cache (the caller's), or the compiler's message."""
-    from . import settings
+    from .. import settings
 
     os.environ[settings.ENV_CACHE] = cache
     try:
@@ -521,11 +521,11 @@ def model_picks(op: OpSpec, problem: Problem, target: Target, trials: int,
     `model`: a CostModel to ask instead of the one in use; `records`: the records to take the
     neighbours from instead of the shipped and user ones (`records.all_records`; a replay passes
     both without the replayed problem's records)."""
-    from . import model as cm
+    from .. import model as cm
 
     ok = allowed or (lambda c: bool(op.validate(problem, c, target)))
     if records is None:
-        from . import records as recmod
+        from ..model import records as recmod
 
         records = recmod.all_records()
     # the recorded winners carried with their grid join the model's candidates, as the
@@ -551,7 +551,7 @@ IN_USE = "in use"
 class TuneRequest:
     """What to tune and how: one problem of one op on one device, its budget, the search's
     settings and what the search starts from. The one input of a `Tuner`, so of `ckgen tune`,
-    `ckgen retune`, online tuning (ckgen/online.py) and the workers (ckgen/workers.py)."""
+    `ckgen retune`, online tuning (ckgen/tuner/online.py) and the workers (ckgen/tuner/workers.py)."""
 
     op: OpSpec
     problem: Problem
@@ -562,7 +562,7 @@ class TuneRequest:
     timeout: float | None = None  # seconds for the search (None: no cap)
     storage: Any = None  # optuna storage: None (in memory), a URL (`open_storage`), or a storage
     seed: int = 0  # the sampler's
-    sampler: str | None = None  # a sampler strategy (ckgen/sampler.py); None: its default
+    sampler: str | None = None  # a sampler strategy (ckgen/tuner/sampler.py); None: its default
     ahead: int = AHEAD  # configs proposed and compiling while one is measured
     rounds: int = ROUNDS  # interleaved rounds of the final re-timing
     finalists: int = FINALISTS  # the study's best configs re-timed in the final round
@@ -598,7 +598,7 @@ class Tuner:
 
     Hooks: `record(config, time_us or None, reason, phase=...)` gets every measurement (the
     records: `records.Recorder`); `on_trial(done, total, best_us)` reports progress; `run`, a
-    budget shared with other tuners (ckgen/workers.py): `run.allow(study)`, asked under the propose
+    budget shared with other tuners (ckgen/tuner/workers.py): `run.allow(study)`, asked under the propose
     lock before each proposal, says whether the shared budget has room for one more trial, and
     `run.tag(trial)`, still under the lock, marks the trial as the run's. `valid`: the valid
     configs (`valid_space`), where the caller has them already (a second or more of CPU for a
@@ -620,7 +620,7 @@ class Tuner:
         if self._model is self:
             m = self.req.model
             if isinstance(m, str) and m == IN_USE:
-                from . import model as cm
+                from .. import model as cm
 
                 m = cm.load()
             self._model = m
@@ -870,14 +870,14 @@ def dispatcher_pick(op: OpSpec, problem: Problem, target: Target) -> Config | No
     when it cannot say (the reason is logged). `tune_problem` and online tuning measure it first
     and re-time it in the final round, so a tune never ends on a config slower, in that run, than
     what the call ran before."""
-    from .dispatch import dispatcher
+    from ..runtime.dispatch import dispatcher
 
     try:
         return dispatcher().select(op, problem, target, 16)[0].config
     except Exception as e:  # noqa: BLE001 - optional: tuning goes on without it
         import logging
 
-        logging.getLogger("ckgen.tune").warning("%s %s: no dispatcher pick to measure (%s: %s)",
+        logging.getLogger("ckgen.tuner.tune").warning("%s %s: no dispatcher pick to measure (%s: %s)",
                                                 op.name, problem.key(), e.__class__.__name__, e)
         return None
 
@@ -885,11 +885,11 @@ def dispatcher_pick(op: OpSpec, problem: Problem, target: Target) -> Config | No
 def tune_problem(request: TuneRequest, info: DeviceInfo,
                  on_trial: Callable[[int, int, float], None] | None = None) -> TuneResult:
     """Tune one problem on the current GPU (`info`) and pick the winner: a `Tuner` run with the
-    GPU objective (fresh random inputs), every measurement recorded (ckgen/records.py), the
+    GPU objective (fresh random inputs), every measurement recorded (ckgen/model/records.py), the
     dispatcher's pick for the problem as the incumbent (`dispatcher_pick`) unless the request
     names one, and the copy kernel timed for the efficiency. `on_trial(done, total, best_us)`
     reports progress."""
-    from .records import Recorder
+    from ..model.records import Recorder
 
     t0 = time.monotonic()
     op, problem, target = request.op, request.problem, request.target
@@ -897,7 +897,7 @@ def tune_problem(request: TuneRequest, info: DeviceInfo,
     obj = Objective(op, problem, target, Harness(op, problem, seed=None), timer)  # fresh random inputs every run
     if request.incumbent is None:
         request = replace(request, incumbent=dispatcher_pick(op, problem, target))
-    record = Recorder(op, problem, target, info.name)  # every measurement is data (ckgen/records.py)
+    record = Recorder(op, problem, target, info.name)  # every measurement is data (ckgen/model/records.py)
     result = Tuner(request, obj, record=record, on_trial=on_trial, started=t0).run()
     result.copy = timer.copy_time(op.min_bytes(problem))
     return result
@@ -906,7 +906,7 @@ def tune_problem(request: TuneRequest, info: DeviceInfo,
 def save_result(result: TuneResult, info: DeviceInfo, db_path: Any, prov: dict[str, Any] | None = None) -> Any:
     """A tuning result's DB entry (`db_entry`) saved to the DB at `db_path` (`db.save_entries`: a
     locked merge); returns the entry. db.DBError: a corrupt DB (the entry is kept in a side file)."""
-    from . import db as dbmod
+    from ..runtime import db as dbmod
 
     entry = db_entry(result, info, prov)
     dbmod.save_entries(db_path, [entry])
@@ -916,7 +916,7 @@ def save_result(result: TuneResult, info: DeviceInfo, db_path: Any, prov: dict[s
 def provenance(result: TuneResult) -> dict[str, Any]:
     import cupy
 
-    from ._version import __version__
+    from .._version import __version__
 
     rt = cupy.cuda.runtime
     return {
@@ -933,7 +933,7 @@ def provenance(result: TuneResult) -> dict[str, Any]:
 def db_entry(result: TuneResult, info: DeviceInfo, prov: dict[str, Any] | None = None) -> Any:
     """The instance-DB entry recording a tuning result (winner, timings, provenance: `prov`, else
     `provenance(result)`)."""
-    from .db import Entry
+    from ..runtime.db import Entry
 
     return Entry(op=result.op, vendor=info.target.vendor, arch=info.target.arch, device=info.name,
                  problem=result.problem.key(), config=result.best.config.items,
@@ -955,7 +955,7 @@ class RetuneItem:
 def retune_plan(db: Any, arch: str, from_arch: str | None = None, ops: list[str] | None = None) -> list[RetuneItem]:
     """Every (op, problem) of the DB tuned on another arch and not yet on `arch`, with the winner
     of the nearest arch (same vendor first, then the closest arch number) as its warm start."""
-    from .types import Target
+    from ..types import Target
 
     here = Target.named(arch)
 

@@ -56,7 +56,7 @@ from typing import IO, Any, Callable, Iterable, Iterator, Mapping
 import filelock
 import yaml
 
-from . import parsecache
+from .. import parsecache
 
 SCHEMA_VERSION = 1
 LOCK_TIMEOUT_S = 60.0
@@ -278,7 +278,7 @@ def _problem_key(op: str, key: str) -> str:
     """`key` parsed by its op (and written back in its canonical form); DBError for an unknown
     op or a key the op cannot parse. So every entry's problem parses: the dispatcher's nearest
     fallback, the library and retune parse every key of an op and arch."""
-    from .ops import get_op  # lazily: the op registry imports the templates' spaces
+    from ..ops import get_op  # lazily: the op registry imports the templates' spaces
 
     try:
         spec = get_op(op)
@@ -1026,9 +1026,9 @@ def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
 def entry_verified(e: Entry) -> bool:
     """Does the entry hold for today's templates: its config validates for its problem on its
     arch, and renders to the source it was tuned with (`source_sha256`)?"""
-    from .instance import render_instance
-    from .ops import get_op
-    from .types import Config, Target
+    from ..instance import render_instance
+    from ..ops import get_op
+    from ..types import Config, Target
 
     try:
         op = get_op(e.op)
@@ -1116,7 +1116,7 @@ def packaged_db_path() -> Path:
 
 def shipped_db_path() -> Path:
     """The shipped DB in use: $CKGEN_SHIPPED_DB if set, else the packaged one; may not exist."""
-    from . import settings
+    from .. import settings
 
     return settings.shipped_db_override() or packaged_db_path()
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..dispatch import Choice, dispatcher
-from ..ops import get_op
-from ..types import Target
+from ...ops import get_op
+from ...types import Target
 from . import groupnorm, pooling
 from .groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
 from .pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd

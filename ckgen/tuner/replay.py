@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .bench import Timing
-from .ops import get_op
-from .ops.spec import OpSpec, Problem
-from .types import Config, Target
+from ..runtime.bench import Timing
+from ..ops import get_op
+from ..ops.spec import OpSpec, Problem
+from ..types import Config, Target
 from .tune import AHEAD, Measured, TrialFailed, Tuner, TuneRequest, final_measured, model_picks
 
 # Sweeps in the first format carry no op or arch: they are groupnorm_fwd runs on an H100.
@@ -147,7 +147,7 @@ def held_out_records(sweep: Sweep) -> list[dict[str, Any]]:
     """The shipped records (ckgen/data/records.jsonl.gz) without any of the sweep's problem: the
     shipped ones hold the sweep itself (and bench timings of its problem), so a model fit on them
     has seen the answer, and the sweep's winner would be its own nearest recorded winner."""
-    from . import records
+    from ..model import records
 
     key = (sweep.op.name, sweep.problem.key())
     return [r for r in records.read_cached(records.packaged_records_path()) if (r["op"], r["problem"]) != key]
@@ -157,7 +157,7 @@ def held_out_model(sweep: Sweep) -> Any:
     """The cost model a replay seeds from: fit (`model.fit`, as the packaged one) on
     `held_out_records(sweep)`: leave-one-out, never the packaged model. Fit once per problem
     (`model.packaged_fit_data()`, which leave-one-out shares) and shared: do not change it."""
-    from . import model as cm
+    from .. import model as cm
 
     return cm.packaged_fit_data().fit(exclude=(sweep.op.name, sweep.problem.key()))
 
@@ -242,7 +242,7 @@ def replay_sweeps(sws: list[Sweep], trials: Sequence[int], seeds: Sequence[int],
     share what they remember). A held-out model this process has is handed to the worker, and
     one fit there is kept here (`model.packaged_fit_data()`), so leave-one-out and the
     replays fit each problem once in all. The same ratios as one process."""
-    from . import model as cm
+    from .. import model as cm
 
     trials, seeds = tuple(trials), tuple(seeds)
     out: dict[tuple[str, int], list[float]] = {}
@@ -277,7 +277,7 @@ def sweeps(folder: Path | str) -> list[Sweep]:
 
 
 class ReplayBackend:
-    """A `ckgen.workers` backend with no GPU: every problem's times come from `time_of(problem_key,
+    """A `ckgen.tuner.workers` backend with no GPU: every problem's times come from `time_of(problem_key,
     config)` (None: the config fails), optionally on the configs `restrict_to(problem_key, config)`
     accepts. Each measurement sleeps `delay` seconds (a stand-in for the GPU's time) and, with
     `log_dir`, is appended to `<log_dir>/measure-<pid>.jsonl` first (so a test knows what each
@@ -286,7 +286,7 @@ class ReplayBackend:
     def __init__(self, time_of: Callable[[str, Config], float | None],
                  restrict_to: Callable[[str, Config], bool] | None = None, arch: str = "sm_90",
                  device: str = "replayed GPU", delay: float = 0.0, log_dir: str | None = None):
-        from .target import DeviceInfo
+        from ..runtime.target import DeviceInfo
 
         self.time_of, self.restrict_to, self.delay, self.log_dir = time_of, restrict_to, delay, log_dir
         self.info = DeviceInfo(Target.named(arch), device, 132, 50 * 2**20)
@@ -335,7 +335,7 @@ class ReplayBackend:
     def provenance(self, result: Any) -> dict[str, Any]:
         import datetime as dt
 
-        from ._version import __version__
+        from .._version import __version__
 
         return {"ckgen": __version__, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "trials": result.trials, "tuning_seconds": round(result.seconds, 1), "source": "replay"}

@@ -50,8 +50,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from . import settings
-from .dispatch import Site, set_untuned_hook  # noqa: F401 - Site: re-exported
+from .. import settings
+from ..runtime.dispatch import Site, set_untuned_hook  # noqa: F401 - Site: re-exported
 
 log = logging.getLogger("ckgen")
 
@@ -113,7 +113,7 @@ def tuning(trials: int | None = None, max_seconds: float | None = None, *, enabl
     try:
         want = budget()
         if want is not None:
-            from .dispatch import dispatcher
+            from ..runtime.dispatch import dispatcher
 
             dispatcher().drop_untuned()  # plans built before the block: their next call tunes
         yield want
@@ -225,8 +225,8 @@ def _capturing(site: Site) -> bool:
 
 
 def _usable(op: Any, problem: Any, target: Any, entry: Any) -> bool:
-    from .instance import render_instance
-    from .types import Config
+    from ..instance import render_instance
+    from ..types import Config
 
     config = Config.of(entry.config_dict())
     try:
@@ -240,8 +240,8 @@ def _has_entry(op: Any, problem: Any, target: Any) -> bool | None:
     """None: no usable DB entry, tune. True: another process saved one since this process read
     the DB (the dispatcher reloads). False: the dispatcher's DB has one and passed it over (the
     pointers' alignment): not tuned again."""
-    from . import db as dbmod
-    from .dispatch import dispatcher
+    from ..runtime import db as dbmod
+    from ..runtime.dispatch import dispatcher
 
     ident = (op.name, target.arch, problem.key())
     seen = dispatcher().database().lookup(*ident)
@@ -260,7 +260,7 @@ def _has_entry(op: Any, problem: Any, target: Any) -> bool | None:
 
 def _fatal(e: BaseException) -> bool:
     """A failure that would repeat for every problem: stop online tuning in this process."""
-    from .target import NoGPUError
+    from ..runtime.target import NoGPUError
     from .tune import StudyStorageError
 
     return isinstance(e, (NoGPUError, ImportError, StudyStorageError))
@@ -268,7 +268,7 @@ def _fatal(e: BaseException) -> bool:
 
 def _tune(op: Any, problem: Any, target: Any, site: Site, want: Budget, key: tuple[str, str, str], what: str) -> bool:
     global _halted
-    from . import db as dbmod
+    from ..runtime import db as dbmod
 
     t0 = time.monotonic()
     try:
@@ -316,9 +316,9 @@ def tune_with(request: Any, ev: Any, *, record: Callable[..., None] | None = Non
     and return the winner's DB entry (provenance `tuned_by: online`, plus `provenance`)."""
     import optuna
 
-    from ._version import __version__
-    from .instance import render_instance
-    from .target import DeviceInfo
+    from .._version import __version__
+    from ..instance import render_instance
+    from ..runtime.target import DeviceInfo
     from .tune import Tuner, db_entry
 
     t0 = time.monotonic() if started is None else started
@@ -350,17 +350,17 @@ def tune_on_device(op: Any, problem: Any, *, device: int, trials: int, max_secon
     built) in this process and return the winner's DB entry. The caller's queued GPU work is
     waited for first (it would skew the timings); CuPy's pool gives back what tuning allocated."""
     t0 = time.monotonic()
-    from .target import device_info, require_cupy
+    from ..runtime.target import device_info, require_cupy
 
     info = device_info(device)
     cupy = require_cupy("tunes")
     rt = cupy.cuda.runtime
     rt.deviceSynchronize()
     try:
-        from .bench import Timer
-        from .records import Recorder
+        from ..runtime.bench import Timer
+        from ..model.records import Recorder
         from .tune import Objective, TuneRequest, dispatcher_pick
-        from .verify import Harness
+        from ..runtime.verify import Harness
 
         ev = Objective(op, problem, info.target, Harness(op, problem, seed=None), Timer(info.l2_bytes),
                        compile_ahead=_compile_ahead)
@@ -394,7 +394,7 @@ def _compile_threads() -> cf.ThreadPoolExecutor:
 
 def _compile(src: Any, target: Any) -> str | None:
     """In a thread: the cubin into the disk cache, or the compiler's message."""
-    from .compile import CompileError, ensure_cubin
+    from ..runtime.compile import CompileError, ensure_cubin
 
     try:
         ensure_cubin(src, target)

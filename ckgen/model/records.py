@@ -14,7 +14,7 @@ A record is one JSON object per line (JSON Lines):
 `ckgen tune` appends a record per measured trial and per final-round re-timing to the records
 file beside the user DB (`user_records_path`), under a file lock, so concurrent tuners lose no
 line. The package ships `ckgen/data/records.jsonl.gz`, built from the repo's measurements by
-`tools/build_records.py` (ckgen/shipped.py says what goes in).
+`tools/build_records.py` (ckgen/offline/shipped.py says what goes in).
 
 Reading is tolerant: a malformed line (a line nested too deeply to parse too) is skipped, with
 one warning per file. A record written before records carried `kernel_version` gets it from
@@ -34,8 +34,8 @@ from typing import Any, Iterable, Iterator
 
 import filelock
 
-from .ops import get_op
-from .ops.spec import Config, OpSpec, Problem, Target
+from ..ops import get_op
+from ..ops.spec import Config, OpSpec, Problem, Target
 
 PHASES = ("trial", "final", "sweep", "winner", "default", "bench")
 # The `source` label of a record from one of the repo's exhaustive sweeps (the files of
@@ -64,7 +64,7 @@ class RecordsWarning(UserWarning):
 
 def user_records_path() -> Path:
     """The records file beside the user DB: `<db name>.records.jsonl`."""
-    from . import settings
+    from .. import settings
 
     db = settings.user_db_path()
     return db.with_name(f"{db.stem}.records.jsonl")

@@ -1,0 +1,6 @@
+"""`python -m ckgen.cli`: the `ckgen` command line."""
+import sys
+
+from . import main
+
+sys.exit(main())

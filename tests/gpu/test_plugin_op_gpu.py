@@ -85,10 +85,10 @@ def test_tune_then_dispatch(op, info, dtype, layout) -> None:
     import ckgen
     from ckgen.runtime import db as dbmod
     from ckgen import settings
-    from ckgen.tuner.tune import db_entry, tune_problem
+    from ckgen.tuner.tune import TuneRequest, db_entry, tune_problem
 
     p = op.parse_problem(**SHAPE, dtype=dtype, layout=layout)
-    r = tune_problem(op, p, info, trials=4, storage=None, seed=1)
+    r = tune_problem(TuneRequest.on(op, p, info, trials=4, storage=None, seed=1), info)
     assert r.best is not None and op.validate(p, r.best.config, info.target)
     dbmod.save_entries(settings.user_db_path(), [db_entry(r, info)])
     ckgen.reload_db()

@@ -43,6 +43,8 @@ def test_registered_and_listed(op, inproc) -> None:
     assert code == 0 and "chscale" in out, err
     code, out, err = inproc("list", "--op", "chscale")
     assert code == 0 and "threads" in out and "vec_bytes" in out and "small" in out, (out, err)
+    code, out, err = inproc("tune", "chscale", "--grid", "nope", "--list")
+    assert code == 2 and f"({op.space_path})" in err, err  # messages name its own space file
 
 
 def test_register_refuses_bad_ops(op, tmp_path) -> None:

@@ -251,7 +251,7 @@ def _check_problem_options(op: Any, args: argparse.Namespace) -> None:
         names = op.grid_names()
         if args.grid not in names:
             raise UsageError(f"--grid: {op.name} has no grid {args.grid!r}; its grids: {', '.join(names)} "
-                             f"(tuning_spaces/{op.name}.yaml)")
+                             f"({op.space_file()})")
 
 
 def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
@@ -444,7 +444,7 @@ def _tune_list(op: Any, args: argparse.Namespace, problems: list[Any]) -> int:
     --shape, the problems that command would tune. Nothing is tuned; no GPU is needed."""
     fmt = resolve(args.format, console)
     if args.grid is None and not args.shape:
-        sheet = Sheet("grids", f"problem grids of {op.name} (tuning_spaces/{op.name}.yaml; ckgen tune {op.name} "
+        sheet = Sheet("grids", f"problem grids of {op.name} ({op.space_file()}; ckgen tune {op.name} "
                                "--grid NAME --list shows one)",
                       (Col("grid", ident=True), Col("problems", number=True), Col("about")))
         acts = [args.activation] if getattr(args, "activation", None) else None
@@ -669,7 +669,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         emit(console, fmt, [sheet])
         return 0
     space = op.space
-    tunables = Sheet("tunables", f"tunables of {op.name} (template {op.template}; tuning_spaces/{op.name}.yaml: "
+    tunables = Sheet("tunables", f"tunables of {op.name} (template {op.template}; {op.space_file()}: "
                                  f"{plural(len(space.constraints), 'constraint')})", (
         Col("tunable", ident=True), Col("kind"), Col("values", fmt=lambda vs: ", ".join(map(_value, vs))),
         Col("default", ident=True, fmt=_value)))

@@ -431,6 +431,10 @@ class OpSpec(abc.ABC):
     #: of them it takes); None: none beyond --shape, --grid, --dtype and --layout
     problem_options: ClassVar[OptionGroup | None] = None
 
+    def space_file(self) -> str:
+        """Where the op's tuning space is, for messages: `space_path`, else tuning_spaces/<name>.yaml."""
+        return f"tuning_spaces/{self.name}.yaml" if self.space_path is None else str(self.space_path)
+
     @property
     def space(self) -> Any:
         """The op's tuning space, read once: `space_path`, else ckgen's tuning_spaces/<name>.yaml."""

@@ -4,6 +4,7 @@ renders compile offline with NVRTC (no GPU needed). Checked against the OpSpec c
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -285,6 +286,12 @@ def test_validate_grid_rules() -> None:
     assert OP.validate(big, cfg.replace(min_blocks=2, threads=512), t), "two blocks per SM fit twice the grid"
     ok = OP.validate(p, cfg, Target.named("gfx942"))
     assert not ok and "cooperative" in ok.reason
+    # the SM count is the Target value's (a device at hand fills `sms`), never a query of the machine
+    fewer = dataclasses.replace(t, sms=coresident_sms(t) // 2)
+    assert fewer == t and coresident_sms(fewer) == coresident_sms(t) // 2
+    ok = OP.validate(OP.parse_problem(N=coresident_sms(t) // 16 + 1, C=512, H=32, W=32, G=32, dtype="bf16",
+                                      layout="nhwc"), cfg, fewer)
+    assert not ok and f"{coresident_sms(t) // 2} SMs" in ok.reason
     ok = OP.validate(_problem("bf16", "nchw", "none", "cg16"), cfg, t)
     assert not ok and "NHWC" in ok.reason
     ok = OP.validate(p, cfg.replace(slice_in="reload"), t)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from ._version import __version__
 
+from .runtime.api import explain
 from .runtime.api.groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
 from .runtime.api.pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
-from .runtime.api import explain
-from .tuner.online import tuning
 from .runtime.tensors import bfloat16
+from .tuner.online import tuning
 
 
 def reload_db() -> None:

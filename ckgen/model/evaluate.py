@@ -9,11 +9,11 @@ from typing import Any, Callable, Sequence
 
 from ..ops import get_op
 from ..ops.spec import Config, Target
-from .records import SWEEP_SOURCE  # the `source` of the records from the repo's exhaustive sweeps
 from .candidates import candidate_tiers
 from .fit import FitData, recmod_by_problem, timed_configs
 from .policy import nearest_recorded_winner
 from .predictor import CostModel
+from .records import SWEEP_SOURCE  # the `source` of the records from the repo's exhaustive sweeps
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from ..runtime import db as dbmod
 from .. import settings
 from ..codegen import KernelSource
-from ..runtime.compile import nvrtc_missing
 from ..instance import render_instance
 from ..ops import all_ops, get_op
 from ..ops.spec import OpSpec
+from ..runtime import db as dbmod
+from ..runtime.compile import nvrtc_missing
 from ..types import Config, Target
 
 

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..model.records import SWEEP_SOURCE, legacy_kernel_version, make_record, read
 from ..ops import all_ops, get_op
 from ..ops.spec import Config, OpSpec, Problem, Target
 from ..runtime import db as dbmod
-from ..model.records import SWEEP_SOURCE, legacy_kernel_version, make_record, read
 from ..tuner.replay import load_sweep, sweep_paths
 
 

@@ -11,9 +11,9 @@ import numpy as np
 from ..space import load_space
 from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, coresident_sms,
                      short_repr)
-from .numeric import from_storage, round_to, to_storage
 from . import gn_vector
 from .gn_limits import MAX_SERIAL_ADDS
+from .numeric import from_storage, round_to, to_storage
 from .spec import (OpSpec, OptionGroup, Problem, ProblemOption, check_choice, check_int, full_shapes, layered_validate,
                    problem_of)
 

@@ -7,12 +7,12 @@ from typing import Any, ClassVar, Mapping
 
 import numpy as np
 
+from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 from . import gn_vector
 from .gn_limits import CLUSTER_MAX, DGB_LAST_MAX, MAX_TILE_CHANNELS, NCHW_STEP_VECTORS, STAGED
 from .groupnorm import (GroupNormOp, GroupNormProblem, gn_instance_name, gn_problem_class, gn_run_bytes,
                         grid_barrier_fits, groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile)
 from .numeric import from_storage, round_to, to_storage
-from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 
 _INT32_MAX = 2**31 - 1
 DGB_CHANNELS, DGB_ROW_LANES = 16, 32  # the dgamma/dbeta fold kernel's block (see the template)

@@ -24,11 +24,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import db as dbmod
 from .. import settings
 from ..codegen import KernelSource
 from ..instance import render_instance
 from ..ops.spec import Config, OpSpec, Problem, Target
+from . import db as dbmod
 
 log = logging.getLogger("ckgen")
 

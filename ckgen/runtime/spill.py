@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import compile as _compile
 from ..instance import render_instance
 from ..ops.spec import OpSpec
 from ..types import Config, Target
+from . import compile as _compile
 
 _SPILLS: dict[str, int | None] = {}
 

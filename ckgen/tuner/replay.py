@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..runtime.bench import Timing
 from ..ops import get_op
 from ..ops.spec import OpSpec, Problem
+from ..runtime.bench import Timing
 from ..types import Config, Target
 from .tune import AHEAD, Measured, TrialFailed, Tuner, TuneRequest, final_measured, model_picks
 

@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import settings
+from ..instance import render_instance
+from ..ops.spec import OpSpec, Problem
 from ..runtime.bench import Timer, Timing, gbps
 from ..runtime.compile import CompileError, compile_many, ensure_cubin
 from ..runtime.compile import pool as compile_pool
-from ..instance import render_instance
-from ..ops.spec import OpSpec, Problem
-from ..types import Config, Target
 from ..runtime.target import DeviceInfo
 from ..runtime.verify import Harness
+from ..types import Config, Target
 from .storage_url import quiet_heartbeat_notices
 
 quiet_heartbeat_notices()  # before any tuner thread saves the warning filters

@@ -45,13 +45,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import tune
+from ..ops import get_op
+from ..ops.spec import OpSpec, Problem
 from ..runtime.bench import Timing
 from ..runtime.compile import pool_closed as compile_pool_closed
 from ..runtime.compile import share_cpus as compile_share_cpus
-from ..ops import get_op
-from ..ops.spec import OpSpec, Problem
 from ..types import Config
+from . import tune
 
 RUN_PREFIX = "ckgen-run|"
 RUN_ATTR, WORKER_ATTR = "run", "worker"  # trial user attrs

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..dispatch import Choice, dispatcher
 from ...ops import get_op
 from ...types import Target
+from ..dispatch import Choice, dispatcher
 from . import groupnorm, pooling
 from .groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
 from .pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd

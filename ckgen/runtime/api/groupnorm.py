@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dispatch import Output, dispatcher, plan_for, remember
 from ...ops import get_op
+from ..dispatch import Output, dispatcher, plan_for, remember
 from ..tensors import ALIGN, Slow, sig
 
 _CALLS = dispatcher().calls

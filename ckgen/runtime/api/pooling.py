@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..dispatch import Output, dispatcher, plan_for, remember
 from ...ops import get_op
+from ..dispatch import Output, dispatcher, plan_for, remember
 from ..tensors import ALIGN, Slow, check_like, sig
 
 _CALLS = dispatcher().calls

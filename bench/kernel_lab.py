@@ -131,8 +131,37 @@ def run_probe(p: dict, timer: Any, sms: int) -> dict:
     return {"name": probe_name(p), "us": t, "ok": ok, "grid": grid}
 
 
+def expand_configs(c: dict, target: Any) -> list[dict]:
+    """A plan's config row -> rows of one config each: `config: {...}` as it is; `sweep: {knob:
+    value, ...}` every valid config of the op's space with those knob values; `db: true` the
+    shipped DB's config for the problem (the reference to beat)."""
+    from ckgen.ops import get_op
+    from ckgen.runtime.db import InstanceDB
+    from ckgen.types import Config
+
+    op = get_op(c["op"])
+    p = op.problem_from_key(c["problem"])
+    if "config" in c:
+        return [c]
+    if c.get("db"):
+        e = InstanceDB.load(Path(__file__).resolve().parents[1] / "ckgen/data/instances.yaml").lookup(
+            op.name, target.arch, p.key())
+        if e is None:
+            return []
+        cfg = Config.of(e.config_dict())
+        return [dict(op=c["op"], problem=c["problem"], config=cfg.as_dict(), name="db " + op.instance_name(p, cfg))]
+    want = c["sweep"]
+    out = []
+    for cfg in op.space.enumerate():
+        if all(cfg[k] == v for k, v in want.items()) and op.validate(p, cfg, target):
+            out.append(dict(op=c["op"], problem=c["problem"], config=cfg.as_dict()))
+    return out
+
+
+_HARNESS: dict[tuple[str, str], Any] = {}
+
+
 def run_config(c: dict, timer: Any, info: Any) -> dict:
-    from ckgen.instance import render_instance
     from ckgen.ops import get_op
     from ckgen.runtime.verify import Harness
     from ckgen.tuner.tune import Objective, TrialFailed
@@ -146,38 +175,97 @@ def run_config(c: dict, timer: Any, info: Any) -> dict:
            "config": c["config"], "copy_us": timer.copy_time(op.min_bytes(p)).median_us}
     if not v:
         return dict(row, error=f"invalid: {v.reason}")
-    obj = Objective(op, p, info.target, Harness(op, p), timer)
+    key = (c["op"], c["problem"])
+    if key not in _HARNESS:
+        _HARNESS.clear()  # one problem's buffers at a time
+        _HARNESS[key] = Harness(op, p)
+    obj = Objective(op, p, info.target, _HARNESS[key], timer)
     try:
-        obj.prepare([cfg])
         m = obj.measure(cfg)
         row.update(us=m.timing.median_us, instance=m.instance)
-        src = render_instance(op, p, cfg, info.target)
-        row["instance"] = src.name
     except TrialFailed as e:
         row.update(error=str(e)[:400])
     return row
 
 
-def run_torch(t: dict, timer: Any, compile_too: bool) -> dict:
+def torch_pattern(key: str, device: str = "cuda") -> tuple[Any, str]:
+    """The PyTorch code a fused GroupNorm problem replaces, on fresh inputs: act(GN(x + b[n, c])
+    * gamma + beta + r), as a model writes it (F.group_norm, then the add and the activation)."""
     import torch
+    import torch.nn.functional as F
 
-    from ckgen.offline.opbench import callables
     from ckgen.ops import get_op
 
-    op = get_op(t["op"])
-    p = op.problem_from_key(t["problem"])
-    ours, eager, what = callables(t["op"], p)
-    row = {"name": f"torch {t['op']} {t['problem']}", "what": what,
-           "eager_us": timer.time(eager).median_us, "ckgen_db_us": timer.time(ours).median_us,
-           "copy_us": timer.copy_time(op.min_bytes(p)).median_us}
-    if compile_too:
-        try:
-            comp = torch.compile(eager)
-            comp()
-            row["compile_us"] = timer.time(comp).median_us
-        except Exception as e:  # noqa: BLE001 - a lab row, reported
-            row["compile_error"] = str(e)[:200]
+    p = get_op("groupnorm_fwd").problem_from_key(key)
+    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+    fmt = torch.channels_last if p.layout == "nhwc" else torch.contiguous_format
+    x = torch.randn(p.N, p.C, p.H, p.W, device=device).to(dt).contiguous(memory_format=fmt)
+    r = torch.randn_like(x) if p.residual else None
+    b = torch.randn(p.N, p.C, device=device).to(dt) if p.bias_nc else None
+    gamma = (1 + 0.1 * torch.randn(p.C, device=device)).to(dt)
+    beta = (0.1 * torch.randn(p.C, device=device)).to(dt)
+    act = {"none": lambda t: t, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+           "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[p.activation]
+
+    def f():
+        h = x + b[:, :, None, None] if b is not None else x
+        y = F.group_norm(h, p.G, gamma, beta, 1e-5)
+        return act(y + r if r is not None else y)
+
+    what = ("x + b[n,c] -> " if b is not None else "") + "F.group_norm" + (" + r" if r is not None else "") + \
+        (f" -> {p.activation}" if p.activation != "none" else "")
+    return f, what
+
+
+def run_pattern(key: str, timer: Any) -> dict:
+    import torch
+
+    from ckgen.ops import get_op
+
+    f, what = torch_pattern(key)
+    p = get_op("groupnorm_fwd").problem_from_key(key)
+    row = {"name": f"torch {key}", "problem": key, "what": what, "eager_us": timer.time(f).median_us,
+           "copy_us": timer.copy_time(get_op("groupnorm_fwd").min_bytes(p)).median_us}
+    try:
+        comp = torch.compile(f)
+        comp()
+        row["compile_us"] = timer.time(comp).median_us
+    except Exception as e:  # noqa: BLE001 - a lab row, reported
+        row["compile_error"] = str(e)[:200]
     return row
+
+
+def summary(rows: list[dict]) -> None:
+    """Per problem: the shipped DB's config, the best config measured (and the best of each
+    slice_in), the same-size copy, PyTorch eager and torch.compile of the pattern."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        if "problem" in r:
+            by.setdefault(r["problem"], []).append(r)
+    print(f"\n{'problem':<64} {'what':<30} {'us':>7} {'eff':>5} {'vs eager':>8} {'vs comp':>8}")
+    for key, rs in by.items():
+        pat = next((r for r in rs if "eager_us" in r), None)
+        cfgs = [r for r in rs if r.get("us")]
+        bad = [r for r in rs if "error" in r and not r["error"].startswith("invalid")]
+        lines = []
+        db = [r for r in cfgs if r["name"].startswith("db ")]
+        if db:
+            lines.append(("shipped DB", db[0]))
+        for si in sorted({r["config"]["slice_in"] for r in cfgs if "slice_in" in r["config"]}):
+            best = min((r for r in cfgs if r["config"].get("slice_in") == si and not r["name"].startswith("db ")),
+                       key=lambda r: r["us"], default=None)
+            if best:
+                lines.append((f"best {si} of {sum(r['config'].get('slice_in') == si for r in cfgs)}", best))
+        for what, r in lines:
+            ve = f"{pat['eager_us'] / r['us']:7.2f}x" if pat else "       -"
+            vc = f"{pat['compile_us'] / r['us']:7.2f}x" if pat and pat.get("compile_us") else "       -"
+            print(f"{key[:64]:<64} {what:<30} {r['us']:7.1f} {r['copy_us'] / r['us']:5.2f} {ve} {vc}  "
+                  f"{r['name'].replace('ckgen_groupnorm_fwd_', '')[-48:]}")
+        if pat:
+            print(f"{key[:64]:<64} {'torch eager / compile':<30} {pat['eager_us']:7.1f} / "
+                  f"{pat.get('compile_us', float('nan')):.1f}  ({pat['what']})")
+        for r in bad[:3]:
+            print(f"{key[:64]:<64} FAILED {r['name'][-50:]}: {r['error'][:150]}")
 
 
 def main() -> int:
@@ -186,7 +274,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="run only rows whose name contains this")
     ap.add_argument("--once", action="store_true", help="one launch per row, no timing (for ncu)")
-    ap.add_argument("--compile-torch", action="store_true")
+    ap.add_argument("--all-rows", action="store_true", help="print every config row, not only each problem's best")
     a = ap.parse_args()
 
     import yaml
@@ -219,14 +307,31 @@ def main() -> int:
                 rows.append({"name": probe_name(p), "error": str(e)[:300]})
             print(f"[{time.monotonic() - t0:5.0f}s] {rows[-1]}", flush=True)
             save()
-    for c in plan.get("configs", []):
-        if keep(c.get("name", "") + c["problem"]):
+    configs = [x for c in plan.get("configs", []) if keep(c.get("name", "") + c["problem"])
+               for x in expand_configs(c, info.target)]
+    if configs:
+        from ckgen.instance import render_instance
+        from ckgen.ops import get_op
+        from ckgen.runtime.compile import compile_many
+        from ckgen.types import Config
+
+        srcs = []
+        for c in configs:
+            op = get_op(c["op"])
+            try:
+                srcs.append(render_instance(op, op.problem_from_key(c["problem"]), Config.of(c["config"]), info.target))
+            except ValueError:
+                pass
+        compile_many(srcs, info.target)
+        print(f"[{time.monotonic() - t0:5.0f}s] {len(configs)} configs, {len(srcs)} compiled", flush=True)
+    for c in configs:
+        if True:
             rows.append(run_config(c, timer, info))
             print(f"[{time.monotonic() - t0:5.0f}s] {rows[-1].get('name')} {rows[-1].get('us')} {rows[-1].get('error', '')}", flush=True)
             save()
-    for t in plan.get("torch", []):
-        if keep("torch " + t["problem"]):
-            rows.append(run_torch(t, timer, a.compile_torch))
+    for key in plan.get("torch", []):
+        if keep("torch " + key):
+            rows.append(run_pattern(key, timer))
             print(f"[{time.monotonic() - t0:5.0f}s] {rows[-1]}", flush=True)
             save()
     if a.once:
@@ -239,12 +344,13 @@ def main() -> int:
         if p["bytes"] not in copies:
             copies[p["bytes"]] = timer.copy_time(p["bytes"]).median_us
         r["copy_us"] = copies[p["bytes"]]
+    summary(rows)
     for r in rows:
+        if "eager_us" in r or "problem" in r and not a.all_rows:
+            continue
         us = r.get("us") or r.get("ckgen_db_us")
         eff = f"{r['copy_us'] / us:5.2f}" if us and r.get("copy_us") else "    -"
         note = r.get("error", "") or ("" if r.get("ok", True) else "WRONG") or ""
-        if "eager_us" in r:
-            note = f"eager {r['eager_us']:.1f} compile {r.get('compile_us', float('nan')):.1f} copy {r['copy_us']:.1f}"
         print(f"{r['name'][:78]:<78} {us if us else float('nan'):8.1f} {eff}  {note[:120]}")
     save()
     return 0

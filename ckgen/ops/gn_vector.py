@@ -71,7 +71,7 @@ def fwd_shape_check_many(p: GroupNormProblem, k: Cols, target: Target) -> np.nda
     threads, items, gpb, slice_in = k["threads"], k["items"], k["groups_per_block"], k["slice_in"]
     split = _fwd_split(k)
     vec = np.maximum(k["vec_bytes"] // item, 1)
-    regs, reload = slice_in == "regs", slice_in == "reload"
+    regs, reload = (slice_in == "regs") | (slice_in == "lean"), slice_in == "reload"
     rows_mode = _fwd_rows(k)
     ok = p.Cg * p.HW // vec <= INT32_MAX
     # whole NHWC pixel rows (`_validate_rows`)
@@ -120,10 +120,15 @@ def fwd_geometry_columns(op: Any, p: GroupNormProblem, k: Cols, target: Target,
     # groupnorm.fwd_regs_needed (vec there is vec_bytes // itemsize: 0 where it does not divide)
     v0 = k["vec_bytes"] // item
     packed = items * v0 * item // 4
-    regs = np.where(k["slice_in"] == "regs", packed,
+    held = (k["slice_in"] == "regs") | (k["slice_in"] == "lean")
+    regs = np.where(held, packed,
                     np.where(k["slice_in"] == "rows", 2 * packed, items * v0 // 2)) + 32
     if p.layout == "nhwc":
         regs = regs + 3 * v0
+    if p.residual:
+        regs = regs + packed
+    if p.layout == "nhwc":
+        regs = np.maximum(regs - np.where(held & (k["slice_in"] == "lean"), 8, 0), 32)  # features._regs
     partials = blocks * np.where(rows_mode, p.G, gpb) * np.where(rows_mode, 2, 3) * 4
     ws = np.where(merge == "cluster", 0, partials + np.where(merge == "grid", 4 * p.N, 0))
     if p.layout == "nchw":
@@ -132,7 +137,7 @@ def fwd_geometry_columns(op: Any, p: GroupNormProblem, k: Cols, target: Target,
         ch = np.where(rows_mode, p.C, gpb * p.Cg)
         _, rows, share = nhwc_tile_many(ch, vec, threads, split, p.HW)
         per_step = rows * items
-    steps = np.where(k["slice_in"] == "regs", 1, 2 * _cdiv(share, np.maximum(1, per_step)))
+    steps = np.where(held, 1, 2 * _cdiv(share, np.maximum(1, per_step)))
     tile = np.where(rows_mode, p.C, gpb * p.C // p.G)
     reread = np.where((k["slice_in"] == "reload") | (k["slice_in"] == "rows"), _x_bytes(p), 0)
     return {"launches": np.where(merge == "global", 2, 1), "blocks": blocks, "threads": threads,

@@ -17,7 +17,22 @@ from .numeric import from_storage, round_to, to_storage
 from .spec import (OpSpec, OptionGroup, Problem, ProblemOption, check_choice, check_int, full_shapes, layered_validate,
                    problem_of)
 
-ACTIVATIONS = ("none", "swish")
+#: the activation after the affine: swish is SiLU (x * sigmoid(x)); gelu the erf form, gelu_tanh
+#: the tanh approximation (F.gelu(approximate="tanh"))
+ACTIVATIONS = ("none", "swish", "relu", "gelu", "gelu_tanh")
+#: what every config can run; the rest of the fusion menu (other activations, the residual, the
+#: per-(n, c) bias) only slice_in=lean fuses
+PLAIN_ACTIVATIONS = ("none", "swish")
+#: the slice_in values that hold x in registers (read once)
+HELD = ("regs", "lean")
+
+
+def fusion_name(p: "GroupNormProblem") -> str:
+    """What a problem fuses, for messages: 'activation=relu, residual, bias_nc'."""
+    parts = [f"activation={p.activation}"] if p.activation != "none" else []
+    return ", ".join(parts + [f for f in ("residual", "bias_nc") if getattr(p, f)]) or "no fusion"
+#: slice_in=lean, NCHW: the most channels per group its per-channel table holds
+LEAN_MAX_CG = 1024
 
 
 def nhwc_tile(ch: int, vec: int, threads: int, split: int, hw: int, what: str,
@@ -74,6 +89,8 @@ class GroupNormProblem(Problem):
     dtype: str
     layout: str
     activation: str = "none"
+    residual: bool = False  # y = act(GN(x) * gamma + beta + r): r, x-shaped, added before the activation
+    bias_nc: bool = False   # GN(x + b[n, c]): b, (N, C), added to x before the statistics
 
     def __post_init__(self) -> None:
         # N, C, G and H*W are int32 kernel arguments: each is bounded by 2^31-1.
@@ -87,7 +104,19 @@ class GroupNormProblem(Problem):
         check_choice("layout", self.layout, LAYOUTS)
         if self.activation is None:  # the public functions' spelling of "none" (their default)
             object.__setattr__(self, "activation", "none")
-        check_choice("activation", self.activation, ACTIVATIONS, "None, 'swish'")
+        check_choice("activation", self.activation, ACTIVATIONS,
+                     "None, " + ", ".join(repr(a) for a in ACTIVATIONS[1:]))
+        for f in ("residual", "bias_nc"):
+            v = getattr(self, f)
+            if not isinstance(v, (bool, np.bool_)) and v not in (0, 1):
+                raise ValueError(f"{f}: expected a bool, got {v!r}")
+            object.__setattr__(self, f, bool(v))
+
+    @property
+    def fused(self) -> bool:
+        """Whether the problem asks for a fusion only slice_in=lean runs (an activation past
+        swish, the residual, the per-(n, c) bias)."""
+        return self.activation not in PLAIN_ACTIVATIONS or self.residual or self.bias_nc
 
     # Remembered per problem (not fields: eq, hash and the key stay the fields'): validate and
     # the cost model read them for every config of an unseen problem's pick.
@@ -105,14 +134,21 @@ class GroupNormProblem(Problem):
 
     def key(self) -> str:
         return (f"N={self.N},C={self.C},H={self.H},W={self.W},G={self.G},"
-                f"dtype={self.dtype},layout={self.layout},act={self.activation}")
+                f"dtype={self.dtype},layout={self.layout},act={self.activation}"
+                + (",res=1" if self.residual else "") + (",bias=1" if self.bias_nc else ""))
 
     @classmethod
     def from_key(cls, key: str) -> "GroupNormProblem":
         try:
             kv = dict(part.split("=", 1) for part in key.split(","))
+            flags = {}
+            for k, f in (("res", "residual"), ("bias", "bias_nc")):
+                v = kv.get(k, "0")
+                if v not in ("0", "1"):
+                    raise ValueError(f"{k}={v!r} (expected 0 or 1)")
+                flags[f] = v == "1"
             return cls(int(kv["N"]), int(kv["C"]), int(kv["H"]), int(kv["W"]), int(kv["G"]),
-                       kv["dtype"], kv["layout"], kv.get("act", "none"))
+                       kv["dtype"], kv["layout"], kv.get("act", "none"), **flags)
         except (KeyError, ValueError) as e:
             raise ValueError(f"problem key {short_repr(key)} is malformed: {e}") from None
 
@@ -164,7 +200,10 @@ def fwd_regs_needed(p: GroupNormProblem, config: Config) -> int:
     item = DTYPES[p.dtype]["itemsize"]
     vec = config["vec_bytes"] // item
     packed = config["items"] * vec * item // 4
-    regs = {"regs": packed, "rows": 2 * packed}.get(config["slice_in"], config["items"] * vec // 2) + 32
+    regs = {"regs": packed, "lean": packed, "rows": 2 * packed}.get(config["slice_in"], config["items"] * vec // 2) + 32
+    regs += packed if p.residual else 0  # lean holds the residual's vectors too while it writes y
+    if config["slice_in"] == "lean" and p.layout == "nhwc":
+        regs -= 8  # measured (NVRTC, sm_90): lean's NHWC bookkeeping is lighter than regs'
     return regs + (3 * vec if p.layout == "nhwc" else 0)
 
 GN_OPTIONS = OptionGroup("GroupNorm problem", "for groupnorm_*", (
@@ -219,17 +258,23 @@ class GroupNormOp(OpSpec):
         chan_mu = rng.normal(0.0, 0.5, size=(1, p.C, 1, 1))
         chan_sd = rng.uniform(0.5, 2.0, size=(1, p.C, 1, 1))
         x = offset + chan_mu + chan_sd * rng.standard_normal(shape)
-        return {
+        out = {
             "x": round_to(x, p.dtype),
             "gamma": round_to(1.0 + 0.25 * rng.standard_normal(p.C), p.dtype),
             "beta": round_to(0.25 * rng.standard_normal(p.C), p.dtype),
         }
+        # the fused inputs, drawn after the others (a plain problem's inputs stay as they were)
+        if getattr(p, "residual", False):
+            out["residual"] = round_to(rng.standard_normal(shape), p.dtype)
+        if getattr(p, "bias_nc", False):
+            out["bias"] = round_to(rng.normal(0.0, 1.0, size=(p.N, p.C)), p.dtype)
+        return out
 
     def distance(self, a: GroupNormProblem, b: GroupNormProblem) -> float:
         d = abs(math.log(a.numel / b.numel)) + abs(math.log(a.Cg * a.HW / (b.Cg * b.HW)))
         d += abs(math.log(a.N * a.G / (b.N * b.G))) + abs(math.log(a.Cg / b.Cg))
         d += 4.0 * (a.layout != b.layout) + 2.0 * (a.dtype != b.dtype) + 0.5 * (a.activation != b.activation)
-        return d
+        return d + 0.5 * (a.residual != b.residual) + 0.5 * (a.bias_nc != b.bias_nc)
 
     # ---- plug-in hooks: CLI, records, benchmark, sanitizer ----
     problem_options: ClassVar[OptionGroup | None] = GN_OPTIONS
@@ -286,6 +331,8 @@ class GroupNormFwd(GroupNormOp):
         if vb % item:
             return Support.no(f"vec_bytes={vb} is not a whole number of {p.dtype} elements")
         vec = vb // item
+        if p.fused and config["slice_in"] != "lean":
+            return Support.no(f"{fusion_name(p)}: only slice_in=lean fuses it")
         if threads % target.warp_size:
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         if cluster > 1 and not target.clusters:
@@ -296,6 +343,8 @@ class GroupNormFwd(GroupNormOp):
         if whole_rows(config) and p.layout != "nhwc":
             what = "merge=grid" if config["merge"] == "grid" else "slice_in=rows"
             return Support.no(f"{what} reads whole NHWC pixel rows; NCHW slices are contiguous")
+        if config["slice_in"] == "lean" and p.layout == "nchw" and p.Cg > LEAN_MAX_CG:
+            return Support.no(f"slice_in=lean keeps a table of the slice's channels: C/G={p.Cg} exceeds {LEAN_MAX_CG}")
         if not whole_rows(config) and p.layout == "nchw":
             if config["groups_per_block"] != 1:
                 return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
@@ -308,18 +357,25 @@ class GroupNormFwd(GroupNormOp):
         item = DTYPES[p.dtype]["itemsize"]
         vb, threads, items, slice_in = k["vec_bytes"], k["threads"], k["items"], k["slice_in"]
         ok = (vb % item == 0) & (threads % target.warp_size == 0)
+        if p.fused:
+            ok &= slice_in == "lean"
         if not target.clusters:
             ok &= k["cluster"] <= 1
         vec = np.maximum(vb // item, 1)  # where vb < item, ok is already False
         packed = items * vec * item // 4  # fwd_regs_needed
-        regs = np.where(slice_in == "regs", packed, np.where(slice_in == "rows", 2 * packed, items * vec // 2)) + 32
+        held = (slice_in == "regs") | (slice_in == "lean")
+        regs = np.where(held, packed, np.where(slice_in == "rows", 2 * packed, items * vec // 2)) + 32
         regs += 3 * vec if p.layout == "nhwc" else 0
+        regs += packed if p.residual else 0
+        regs -= np.where(slice_in == "lean", 8, 0) if p.layout == "nhwc" else 0
         ok &= regs <= np.minimum(255, 65536 // (threads * k["min_blocks"]))
         rows = (slice_in == "rows") | (k["merge"] == "grid")  # whole_rows
         if p.layout != "nhwc":
             ok &= ~rows
         if p.layout == "nchw":
             ok &= rows | ((k["groups_per_block"] == 1) & (p.HW % vec == 0))
+            if p.Cg > LEAN_MAX_CG:
+                ok &= slice_in != "lean"
         return ok
 
     def shape_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
@@ -346,7 +402,7 @@ class GroupNormFwd(GroupNormOp):
         if p.layout == "nchw":  # class_check: H*W is a whole number of vectors
             nvec = p.Cg * p.HW // vec
             share = -(-nvec // split)
-            if config["slice_in"] == "regs" and share > threads * items:
+            if config["slice_in"] in HELD and share > threads * items:
                 return Support.no(f"slice share of {share} vectors exceeds threads*items={threads * items}")
             serial = -(-share // threads) * vec  # values one thread adds into its accumulator (reload)
             if config["slice_in"] == "reload" and serial > MAX_SERIAL_ADDS:
@@ -361,7 +417,7 @@ class GroupNormFwd(GroupNormOp):
                                           f"the tile's {gpb * p.Cg} channels ({gpb} groups x {p.Cg})", 2048)
             if not tile:
                 return tile
-            if config["slice_in"] == "regs" and share > rows * items:
+            if config["slice_in"] in HELD and share > rows * items:
                 return Support.no(f"{share} pixels per block exceed rows*items={rows * items}")
             serial = -(-share // rows)  # pixel rows one thread adds into each channel's accumulator (reload)
             if config["slice_in"] == "reload" and serial > MAX_SERIAL_ADDS:
@@ -416,7 +472,8 @@ class GroupNormFwd(GroupNormOp):
 
     def _instance_name(self, p: GroupNormProblem, config: Config) -> str:
         c = config
-        act = "_swish" if p.activation == "swish" else ""
+        act = "" if p.activation == "none" else f"_{p.activation}"
+        act += ("_res" if p.residual else "") + ("_bias" if p.bias_nc else "")
         return (f"ckgen_groupnorm_fwd_{p.dtype}_{p.layout}{act}_t{c['threads']}_v{c['vec_bytes']}"
                 f"_i{c['items']}_g{c['groups_per_block']}_c{c['cluster']}_{c['slice_in']}_m{c['min_blocks']}"
                 + {"global": f"_gs{c['global_split']}", "grid": f"_gb{c['global_split']}"}.get(c["merge"], ""))
@@ -424,8 +481,8 @@ class GroupNormFwd(GroupNormOp):
     def render_context(self, p: GroupNormProblem, config: Config, target: Target) -> dict[str, Any]:
         d = DTYPES[p.dtype]
         return dict(config.as_dict(), target=target, dtype=p.dtype, layout=p.layout,
-                    activation=p.activation, storage=d["storage"], itemsize=d["itemsize"],
-                    vec=self.vec_elems(p, config))
+                    activation=p.activation, residual=p.residual, bias_nc=p.bias_nc,
+                    storage=d["storage"], itemsize=d["itemsize"], vec=self.vec_elems(p, config))
 
     # ---- the cost model's hooks (`OpSpec.model_*`) ----
     def regs_used(self, p: GroupNormProblem, config: Config) -> int:
@@ -462,7 +519,7 @@ class GroupNormFwd(GroupNormOp):
         threads, items = d["threads"], d["items"]
         Cg, HW = p.C // p.G, p.H * p.W
         split = d["cluster"] if d["merge"] == "cluster" else d["global_split"]
-        held = d["slice_in"] == "regs"
+        held = d["slice_in"] in HELD
         if p.layout == "nchw":
             per_step, share = threads * items, -(-(Cg * HW // vec) // split)
         else:
@@ -502,12 +559,13 @@ class GroupNormFwd(GroupNormOp):
         return self._blocks(p, config) * p.G * 2 * 4, 4 * p.N  # the barrier counters
 
     def min_bytes(self, p: GroupNormProblem) -> int:
-        return 2 * p.numel * DTYPES[p.dtype]["itemsize"]  # read x once, write y once
+        # read x once, write y once; the residual is read once more (the bias is negligible)
+        return (3 if p.residual else 2) * p.numel * DTYPES[p.dtype]["itemsize"]
 
     def reference(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray],
                   eps: float = 1e-5) -> dict[str, np.ndarray]:
         return groupnorm_fwd_reference(inputs["x"], inputs.get("gamma"), inputs.get("beta"),
-                                       p.G, eps, p.activation)
+                                       p.G, eps, p.activation, inputs.get("residual"), inputs.get("bias"))
 
     def tolerance(self, dtype: str, output: str) -> Tolerance:
         if output == "y":
@@ -520,6 +578,11 @@ class GroupNormFwd(GroupNormOp):
     def pack_inputs(self, p: GroupNormProblem, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         x = inputs["x"] if p.layout == "nchw" else np.transpose(inputs["x"], (0, 2, 3, 1))
         packed = {"x": to_storage(np.ascontiguousarray(x), p.dtype).ravel()}
+        if inputs.get("residual") is not None:
+            r = inputs["residual"] if p.layout == "nchw" else np.transpose(inputs["residual"], (0, 2, 3, 1))
+            packed["res"] = to_storage(np.ascontiguousarray(r), p.dtype).ravel()
+        if inputs.get("bias") is not None:
+            packed["bias"] = to_storage(np.ascontiguousarray(inputs["bias"]), p.dtype).ravel()
         for k in ("gamma", "beta"):
             if inputs.get(k) is not None:
                 packed[k] = to_storage(inputs[k], p.dtype)
@@ -538,6 +601,7 @@ class GroupNormFwd(GroupNormOp):
 
     arg_names: ClassVar[tuple[str, ...]] = ("x", "gamma", "beta", "y", "mean", "rstd", "ws")
     takes_eps: ClassVar[bool] = True
+    tail_arg_names: ClassVar[tuple[str, ...]] = ("res", "bias")  # the fused inputs (slice_in=lean)
 
     def scalar_args(self, p: GroupNormProblem) -> tuple:
         return np.int32(p.C), np.int32(p.HW), np.int32(p.G)
@@ -563,12 +627,39 @@ class GroupNormFwd(GroupNormOp):
 
 
 
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf in float64 to ~1e-7 (Abramowitz & Stegun 7.1.26), vectorized: far below the kernels'
+    fp32 tolerance, and numpy has no erf of its own."""
+    s = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return s * (1.0 - poly * np.exp(-a * a))
+
+
+def activation_reference(y: np.ndarray, activation: str) -> np.ndarray:
+    """float64 activation of the fusion menu (`ACTIVATIONS`)."""
+    if activation == "swish":
+        return y / (1.0 + np.exp(-y))
+    if activation == "relu":
+        return np.where(y < 0, 0.0, y)
+    if activation == "gelu":
+        return 0.5 * y * (1.0 + _erf(y / np.sqrt(2.0)))
+    if activation == "gelu_tanh":
+        return 0.5 * y * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (y + 0.044715 * y ** 3)))
+    return y
+
+
 def groupnorm_fwd_reference(x: np.ndarray, gamma: np.ndarray | None, beta: np.ndarray | None,
-                            groups: int, eps: float = 1e-5,
-                            activation: str = "none") -> dict[str, np.ndarray]:
-    """float64 GroupNorm (+ swish): y, mean (N, G), rstd (N, G). Population variance."""
+                            groups: int, eps: float = 1e-5, activation: str = "none",
+                            residual: np.ndarray | None = None,
+                            bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """float64 act(GroupNorm(x + bias[n, c]) + residual): y, mean (N, G), rstd (N, G) of
+    x + bias. Population variance."""
     x = np.asarray(x, dtype=np.float64)
     N, C, H, W = x.shape
+    if bias is not None:
+        x = x + np.asarray(bias, dtype=np.float64).reshape(N, C, 1, 1)
     xg = x.reshape(N, groups, -1)
     mean = xg.mean(axis=2)
     var = ((xg - mean[..., None]) ** 2).mean(axis=2)
@@ -578,9 +669,9 @@ def groupnorm_fwd_reference(x: np.ndarray, gamma: np.ndarray | None, beta: np.nd
         y = y * np.asarray(gamma, dtype=np.float64).reshape(1, C, 1, 1)
     if beta is not None:
         y = y + np.asarray(beta, dtype=np.float64).reshape(1, C, 1, 1)
-    if activation == "swish":
-        y = y / (1.0 + np.exp(-y))
-    return {"y": y, "mean": mean, "rstd": rstd}
+    if residual is not None:
+        y = y + np.asarray(residual, dtype=np.float64)
+    return {"y": activation_reference(y, activation), "mean": mean, "rstd": rstd}
 
 
 def groupnorm_bwd_reference(dy: np.ndarray, x: np.ndarray, mean: np.ndarray, rstd: np.ndarray,

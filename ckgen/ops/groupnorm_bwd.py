@@ -10,7 +10,7 @@ import numpy as np
 from ..types import DTYPES, Config, Launch, Support, Target, Tolerance
 from . import gn_vector
 from .gn_limits import CLUSTER_MAX, DGB_LAST_MAX, MAX_TILE_CHANNELS, NCHW_STEP_VECTORS, STAGED
-from .groupnorm import (GroupNormOp, GroupNormProblem, gn_instance_name, gn_problem_class, gn_run_bytes,
+from .groupnorm import (GroupNormOp, fusion_name, GroupNormProblem, gn_instance_name, gn_problem_class, gn_run_bytes,
                         grid_barrier_fits, groupnorm_bwd_reference, groupnorm_fwd_reference, nhwc_tile)
 from .numeric import from_storage, round_to, to_storage
 
@@ -147,6 +147,8 @@ class _GroupNormBwd(GroupNormOp):
         if vb % item:
             return Support.no(f"vec_bytes={vb} is not a whole number of {p.dtype} elements")
         vec = vb // item
+        if p.fused:
+            return Support.no(f"{fusion_name(p)}: the backward kernels fuse only activation=swish")
         if threads % target.warp_size:
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         if scheme not in STAGED and 1 < split <= CLUSTER_MAX and not target.clusters:
@@ -167,7 +169,7 @@ class _GroupNormBwd(GroupNormOp):
         item = DTYPES[p.dtype]["itemsize"]
         vb, threads, items, split = k["vec_bytes"], k["threads"], k["items"], k["split"]
         scheme = k["scheme"] if self.want_dx else np.full(len(vb), "multi_stage")
-        ok = (vb % item == 0) & (threads % target.warp_size == 0)
+        ok = (vb % item == 0) & (threads % target.warp_size == 0) & (not p.fused)
         staged = (scheme == STAGED[0]) | (scheme == STAGED[1])
         if not target.clusters:
             ok &= staged | ~((split > 1) & (split <= CLUSTER_MAX))

@@ -326,6 +326,9 @@ class OpSpec(abc.ABC):
     arg_names: ClassVar[tuple[str, ...]]
     #: whether a float32 eps follows the scalars (a run-time value, not part of the problem)
     takes_eps: ClassVar[bool] = False
+    #: pointer parameters after eps (the fused inputs a newer kernel takes), 0 when a call has none;
+    #: kernels that declare fewer parameters never read them, so older kernels keep their signature
+    tail_arg_names: ClassVar[tuple[str, ...]] = ()
 
     @abc.abstractmethod
     def scalar_args(self, problem: Any) -> tuple:
@@ -334,7 +337,8 @@ class OpSpec(abc.ABC):
     def kernel_args(self, problem: Any, ptrs: Mapping[str, int], eps: float = 0.0) -> tuple:
         """The argument tuple of every launch: `ptrs` maps arg_names to device pointers."""
         out = tuple(np.uint64(ptrs.get(n, 0)) for n in self.arg_names) + self.scalar_args(problem)
-        return out + (np.float32(eps),) if self.takes_eps else out
+        out = out + (np.float32(eps),) if self.takes_eps else out
+        return out + tuple(np.uint64(ptrs.get(n, 0)) for n in self.tail_arg_names)
 
     @abc.abstractmethod
     def distance(self, a: Any, b: Any) -> float:

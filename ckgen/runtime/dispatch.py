@@ -350,7 +350,8 @@ def _arg_buffer(op: OpSpec, problem: Problem) -> tuple[Any, Any, int]:
     byte offset of eps (-1: none)."""
     nptr = len(op.arg_names)
     scalars = op.scalar_args(problem)
-    buf, kargs = arg_slots((0,) * nptr + tuple(scalars) + ((0,) if op.takes_eps else ()))  # pointers, eps: per call
+    tail = (0,) * len(op.tail_arg_names)  # the pointers after eps (OpSpec.tail_arg_names)
+    buf, kargs = arg_slots((0,) * nptr + tuple(scalars) + ((0,) if op.takes_eps else ()) + tail)  # pointers, eps: per call
     return buf, kargs, (nptr + len(scalars)) * _SLOT if op.takes_eps else -1
 
 
@@ -428,6 +429,10 @@ def _launcher(plan: Plan, op: OpSpec, problem: Problem, like: Any, inputs: Seque
         ptr_of["ws"] = "ws[1]"
     ptrs = ", ".join(ptr_of.get(n, "0") for n in op.arg_names)
     body += ["    with LOCK:", f"        pack(buf, 0, {ptrs})"]
+    if op.tail_arg_names and any(n in ptr_of for n in op.tail_arg_names):
+        tail_at = (len(op.arg_names) + len(op.scalar_args(problem)) + (1 if op.takes_eps else 0)) * _SLOT
+        ns["pack_tail"] = struct.Struct(f"<{len(op.tail_arg_names)}Q").pack_into
+        body.append(f"        pack_tail(buf, {tail_at}, {', '.join(ptr_of.get(n, '0') for n in op.tail_arg_names)})")
     if eps_at >= 0:
         body.append(f"        pack_eps(buf, {eps_at}, eps)")
     body.append("        try:")

@@ -56,6 +56,18 @@ def _grid_fits(blocks: np.ndarray, min_blocks: np.ndarray, target: Target) -> np
 
 
 # ------------------------------------------------------------------------------------ forward
+def lean_regs(p: "GroupNormProblem", packed: Any, vec: Any) -> Any:
+    """slice_in=lean's registers per thread (ints or arrays of them), fitted to NVRTC's counts
+    for sm_90 so that a config over the budget is one that spills: x held packed (and the
+    residual's vectors while y is written); NHWC where every vector lies inside one group (C/G a
+    multiple of it) a scale and shift per channel, elsewhere per-channel sums and shifts too."""
+    base = packed * (2 if p.residual else 1)
+    if p.layout == "nchw":
+        return base + 32
+    one_group = p.Cg % np.maximum(vec, 1) == 0
+    return base + np.where(one_group, 2 * vec + 20 + (vec if p.bias_nc else 0), 3 * vec + 24)
+
+
 def _fwd_split(k: Cols) -> np.ndarray:
     return np.where(k["merge"] == "cluster", k["cluster"], k["global_split"])
 
@@ -125,10 +137,7 @@ def fwd_geometry_columns(op: Any, p: GroupNormProblem, k: Cols, target: Target,
                     np.where(k["slice_in"] == "rows", 2 * packed, items * v0 // 2)) + 32
     if p.layout == "nhwc":
         regs = regs + 3 * v0
-    if p.residual:
-        regs = regs + packed
-    if p.layout == "nhwc":
-        regs = np.maximum(regs - np.where(held & (k["slice_in"] == "lean"), 8, 0), 32)  # features._regs
+    regs = np.maximum(np.where(k["slice_in"] == "lean", lean_regs(p, packed, v0), regs), 32)  # features._regs
     partials = blocks * np.where(rows_mode, p.G, gpb) * np.where(rows_mode, 2, 3) * 4
     ws = np.where(merge == "cluster", 0, partials + np.where(merge == "grid", 4 * p.N, 0))
     if p.layout == "nchw":

@@ -166,9 +166,9 @@ _NAMES: dict[tuple, str] = {}
 
 
 def gn_instance_name(op: OpSpec, p: GroupNormProblem, config: Config, make: Any) -> str:
-    """`make(p, config)` (a GroupNorm op's instance name: the dtype, layout, activation and config
+    """`make(p, config)` (a GroupNorm op's instance name: the dtype, layout, fusions and config
     alone), remembered: the cost model names every candidate of every unseen problem."""
-    key = (op.name, p.dtype, p.layout, p.activation, config)
+    key = (op.name, p.dtype, p.layout, p.activation, p.residual, p.bias_nc, config)
     name = _NAMES.get(key)
     if name is None:
         if len(_NAMES) > 200_000:
@@ -200,10 +200,9 @@ def fwd_regs_needed(p: GroupNormProblem, config: Config) -> int:
     item = DTYPES[p.dtype]["itemsize"]
     vec = config["vec_bytes"] // item
     packed = config["items"] * vec * item // 4
-    regs = {"regs": packed, "lean": packed, "rows": 2 * packed}.get(config["slice_in"], config["items"] * vec // 2) + 32
-    regs += packed if p.residual else 0  # lean holds the residual's vectors too while it writes y
-    if config["slice_in"] == "lean" and p.layout == "nhwc":
-        regs -= 8  # measured (NVRTC, sm_90): lean's NHWC bookkeeping is lighter than regs'
+    if config["slice_in"] == "lean":
+        return int(gn_vector.lean_regs(p, packed, vec))
+    regs = {"regs": packed, "rows": 2 * packed}.get(config["slice_in"], config["items"] * vec // 2) + 32
     return regs + (3 * vec if p.layout == "nhwc" else 0)
 
 GN_OPTIONS = OptionGroup("GroupNorm problem", "for groupnorm_*", (
@@ -366,8 +365,7 @@ class GroupNormFwd(GroupNormOp):
         held = (slice_in == "regs") | (slice_in == "lean")
         regs = np.where(held, packed, np.where(slice_in == "rows", 2 * packed, items * vec // 2)) + 32
         regs += 3 * vec if p.layout == "nhwc" else 0
-        regs += packed if p.residual else 0
-        regs -= np.where(slice_in == "lean", 8, 0) if p.layout == "nhwc" else 0
+        regs = np.where(slice_in == "lean", gn_vector.lean_regs(p, packed, vec), regs)
         ok &= regs <= np.minimum(255, 65536 // (threads * k["min_blocks"]))
         rows = (slice_in == "rows") | (k["merge"] == "grid")  # whole_rows
         if p.layout != "nhwc":

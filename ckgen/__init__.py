@@ -2,6 +2,7 @@
 
     import ckgen
     y, mean, rstd = ckgen.groupnorm_fwd(x, gamma, beta, groups=32, activation="swish")
+    y, _, _ = ckgen.groupnorm_fwd(x, gamma, beta, 32, activation="relu", residual=shortcut)  # one kernel
     dx, dgamma, dbeta = ckgen.groupnorm_bwd(dy, x, mean, rstd, gamma, 32, beta, activation="swish")
     y, indices = ckgen.maxpool2d_fwd(x, 3, stride=2, padding=1, return_indices=True)
     print(ckgen.explain("groupnorm_fwd", x, gamma, beta, 32))
@@ -13,6 +14,7 @@ from __future__ import annotations
 from ._version import __version__
 
 from .runtime.api import explain
+from .runtime.dispatch import NoConfigError
 from .runtime.api.groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
 from .runtime.api.pooling import avgpool2d_bwd, avgpool2d_fwd, maxpool2d_bwd, maxpool2d_fwd
 from .runtime.tensors import bfloat16
@@ -27,6 +29,6 @@ def reload_db() -> None:
     dispatcher().reload()
 
 
-__all__ = ["__version__", "avgpool2d_bwd", "avgpool2d_fwd", "bfloat16", "explain", "groupnorm_bwd",
+__all__ = ["NoConfigError", "__version__", "avgpool2d_bwd", "avgpool2d_fwd", "bfloat16", "explain", "groupnorm_bwd",
            "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta", "groupnorm_fwd", "maxpool2d_bwd", "maxpool2d_fwd",
            "reload_db", "tuning"]

@@ -36,12 +36,12 @@ def test_a_meta_tensor_is_called_a_meta_tensor():
 
 def test_activation_none_in_a_problem_means_none():
     """None is what the public functions take for "no activation" (their default); a problem
-    given None said "None is not one of None, 'swish'"."""
+    given None said "None is not one of None, 'swish', ..."."""
     kw = dict(N=2, C=32, H=4, W=4, G=8, dtype="bf16", layout="nchw")
     assert GN.parse_problem(**kw, activation=None) == GN.parse_problem(**kw, activation="none")
     assert ckgen.explain("groupnorm_fwd", **kw, activation=None, arch="sm_90").problem.endswith("act=none")
-    with pytest.raises(ValueError, match="^activation: 'relu' is not one of None, 'swish'"):
-        GN.parse_problem(**kw, activation="relu")
+    with pytest.raises(ValueError, match="^activation: 'tanh' is not one of None, 'swish', 'relu'"):
+        GN.parse_problem(**kw, activation="tanh")
 
 
 @pytest.mark.parametrize("op, kw, word", [

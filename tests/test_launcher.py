@@ -56,7 +56,7 @@ def _slots(args: tuple) -> list[bytes]:
 @pytest.fixture
 def fake(monkeypatch):
     def make(op, problem):
-        nslots = len(op.arg_names) + len(op.scalar_args(problem)) + (1 if op.takes_eps else 0)
+        nslots = len(op.arg_names) + len(op.scalar_args(problem)) + (1 if op.takes_eps else 0) + len(op.tail_arg_names)
         cuda = FakeCuda(nslots)
         monkeypatch.setattr(dispatch, "_rt", cuda)
         monkeypatch.setattr(dispatch, "_launch_kernel", cuda.launch)
@@ -115,6 +115,23 @@ def test_groupnorm_fwd_launcher_passes_kernel_args(fake, layout):
     want2 = _slots(op.kernel_args(p, {"x": x.data_ptr() + 64, "beta": 8192, "y": y2.data_ptr(), "mean": m2.data_ptr(),
                                       "rstd": r2.data_ptr()}, 0.5))
     assert cuda.launches[-1][-1] == want2
+
+
+def test_fused_inputs_are_packed_after_eps(fake):
+    """The residual and bias pointers go to the slots after eps (OpSpec.tail_arg_names)."""
+    op = get_op("groupnorm_fwd")
+    x = torch.randn(2, 64, 6, 5, dtype=torch.bfloat16)
+    like, lay = like_of(x)
+    p = op.parse_problem(N=2, C=64, H=6, W=5, G=8, dtype="bf16", layout=lay, activation="relu",
+                         residual=True, bias_nc=True)
+    cuda = fake(op, p)
+    outs = [Output("y", like.shape, lay, "bf16"), Output("mean", (2, 8), "flat", "fp32"),
+            Output("rstd", (2, 8), "flat", "fp32")]
+    run, _ = dispatch._launcher(plan_stub(), op, p, like, ("x", "gamma", "beta", "res", "bias"), outs, STEPS[:1], 0)
+    y, mean, rstd = run((x.data_ptr(), 0, 0, 4096, 8192), 1e-5, x)
+    want = _slots(op.kernel_args(p, {"x": x.data_ptr(), "y": y.data_ptr(), "mean": mean.data_ptr(),
+                                     "rstd": rstd.data_ptr(), "res": 4096, "bias": 8192}, 1e-5))
+    assert cuda.launches[-1][-1] == want and want[-2:] == _slots((np.uint64(4096), np.uint64(8192)))
 
 
 @pytest.mark.parametrize("ws_bytes", [256, 64 << 20])

@@ -289,6 +289,7 @@ class GroupNormOp(OpSpec):
     def explain_fields(self, p: GroupNormProblem) -> dict[str, Any]:
         f = {k: getattr(p, k) for k in ("N", "C", "H", "W", "dtype", "layout")}
         f.update(G=p.G, activation=p.activation)
+        f.update({k: True for k in ("residual", "bias_nc") if getattr(p, k)})  # the fusions, where asked
         return f
 
     def sanitize_problems(self) -> list[GroupNormProblem]:

@@ -33,6 +33,10 @@ from . import db as dbmod
 log = logging.getLogger("ckgen")
 
 
+class NoConfigError(ValueError):
+    """No config of an op's tuning space can run a problem (on this target, at this alignment)."""
+
+
 @dataclass(frozen=True)
 class Choice:
     op: str
@@ -207,7 +211,7 @@ class Dispatcher:
         if self._usable(op, problem, config, target, max_vec) is not None:
             config = op.space.nearest_default(lambda c: self._usable(op, problem, c, target, max_vec) is None)
         if config is None:
-            raise ValueError(f"{op.name}: no config of the tuning space can run {problem.key()}; "
+            raise NoConfigError(f"{op.name}: no config of the tuning space can run {problem.key()}; "
                              + self._why_none(op, problem, target, max_vec))
         src = render_instance(op, problem, config, target)
         what = "the default config" if config == op.space.default else "the valid config nearest the default"

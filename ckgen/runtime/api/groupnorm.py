@@ -216,6 +216,9 @@ def _plan_bwd(op_name: str, dy: Any, x: Any, mean: Any, rstd: Any, gamma: Any, b
         key = None
     from ..tensors import as_device_tensor, check_like
 
+    if _activation(activation) not in ("none", "swish"):
+        raise ValueError(f"activation: {activation!r} has no backward kernel yet; {op_name} takes None or "
+                         "'swish' (the forward fuses relu, gelu and gelu_tanh)")
     op, p, xt, gt, bt = _problem(op_name, x, gamma, beta, groups, activation)
     dyt = as_device_tensor(dy, "dy")
     check_like(dyt, "dy", xt.shape, xt, p.layout)

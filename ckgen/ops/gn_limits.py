@@ -19,3 +19,6 @@ NCHW_STEP_VECTORS = 4096  # NCHW single_pass: per-vector partials in shared memo
 DGB_LAST_MAX = 512
 CLUSTER_MAX = 8  # single_pass/fused: split <= 8 is a portable cluster; past it, a grid-wide barrier
 STAGED = ("multi_stage", "pipelined")  # the schemes of a sums kernel, then a dx kernel
+
+#: slice_in=lean, NCHW: the most channels per group its per-channel table in shared memory holds
+LEAN_MAX_CG = 1024

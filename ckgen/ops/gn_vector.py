@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from ..types import DTYPES, INT32_MAX, Target, coresident_sms
-from .gn_limits import CLUSTER_MAX, DGB_LAST_MAX, MAX_SERIAL_ADDS, MAX_TILE_CHANNELS, NCHW_STEP_VECTORS, STAGED
+from .gn_limits import (CLUSTER_MAX, DGB_LAST_MAX, LEAN_MAX_CG, MAX_SERIAL_ADDS, MAX_TILE_CHANNELS,
+                        NCHW_STEP_VECTORS, STAGED)
 
 if TYPE_CHECKING:
     from .groupnorm import GroupNormProblem
@@ -102,6 +103,11 @@ def fwd_shape_check_many(p: GroupNormProblem, k: Cols, target: Target) -> np.nda
         serial = _cdiv(share, np.maximum(rows, 1))
         s_ok = s_ok & t_ok & ~(regs & (share > rows * items)) & ~(reload & (serial > MAX_SERIAL_ADDS))
     s_ok &= p.N * (p.G // gpb) * split <= INT32_MAX
+    # slice_in=lean: its register budget and NCHW channel table (`GroupNormFwd.shape_check`)
+    lean = slice_in == "lean"
+    packed = items * vec * item // 4
+    budget = np.minimum(255, 65536 // (threads * k["min_blocks"]))
+    s_ok &= ~lean | ((lean_regs(p, packed, vec) <= budget) & (p.layout != "nchw" or p.Cg <= LEAN_MAX_CG))
     return ok & np.where(rows_mode, r_ok, s_ok)
 
 

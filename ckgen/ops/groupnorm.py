@@ -12,7 +12,7 @@ from ..space import load_space
 from ..types import (DTYPES, INT32_MAX, LAYOUTS, Config, Launch, Support, Target, Tolerance, coresident_sms,
                      short_repr)
 from . import gn_vector
-from .gn_limits import MAX_SERIAL_ADDS
+from .gn_limits import LEAN_MAX_CG, MAX_SERIAL_ADDS
 from .numeric import from_storage, round_to, to_storage
 from .spec import (OpSpec, OptionGroup, Problem, ProblemOption, check_choice, check_int, full_shapes, layered_validate,
                    problem_of)
@@ -31,8 +31,6 @@ def fusion_name(p: "GroupNormProblem") -> str:
     """What a problem fuses, for messages: 'activation=relu, residual, bias_nc'."""
     parts = [f"activation={p.activation}"] if p.activation != "none" else []
     return ", ".join(parts + [f for f in ("residual", "bias_nc") if getattr(p, f)]) or "no fusion"
-#: slice_in=lean, NCHW: the most channels per group its per-channel table holds
-LEAN_MAX_CG = 1024
 
 
 def nhwc_tile(ch: int, vec: int, threads: int, split: int, hw: int, what: str,
@@ -153,13 +151,14 @@ class GroupNormProblem(Problem):
             raise ValueError(f"problem key {short_repr(key)} is malformed: {e}") from None
 
 
-def gn_problem_class(op: OpSpec, p: GroupNormProblem) -> tuple[str, str, int]:
-    """A GroupNorm op's `problem_class`: dtype, layout and, in NCHW, gcd(H*W, the lcm of the
-    space's vec_bytes), which decides whether H*W is a whole number of vectors of any width
-    (a vector's elements divide its bytes); NHWC reads whole pixels (0)."""
+def gn_problem_class(op: OpSpec, p: GroupNormProblem) -> tuple[str, str, int, bool]:
+    """A GroupNorm op's `problem_class`: dtype, layout, in NCHW gcd(H*W, the lcm of the space's
+    vec_bytes), which decides whether H*W is a whole number of vectors of any width (a vector's
+    elements divide its bytes; NHWC reads whole pixels: 0), and whether the problem asks for a
+    fusion only slice_in=lean runs."""
     if p.layout != "nchw":
-        return p.dtype, p.layout, 0
-    return p.dtype, p.layout, math.gcd(p.HW, math.lcm(*op.space.params["vec_bytes"]))
+        return p.dtype, p.layout, 0, p.fused
+    return p.dtype, p.layout, math.gcd(p.HW, math.lcm(*op.space.params["vec_bytes"])), p.fused
 
 
 _NAMES: dict[tuple, str] = {}
@@ -337,14 +336,12 @@ class GroupNormFwd(GroupNormOp):
             return Support.no(f"threads={threads} is not a multiple of the warp size {target.warp_size}")
         if cluster > 1 and not target.clusters:
             return Support.no(f"cluster={cluster} needs thread-block clusters (sm_90+); {target.arch} has none")
-        if fwd_regs_needed(p, config) > _regs_per_thread(config):
+        if config["slice_in"] != "lean" and fwd_regs_needed(p, config) > _regs_per_thread(config):
             return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
                               f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
         if whole_rows(config) and p.layout != "nhwc":
             what = "merge=grid" if config["merge"] == "grid" else "slice_in=rows"
             return Support.no(f"{what} reads whole NHWC pixel rows; NCHW slices are contiguous")
-        if config["slice_in"] == "lean" and p.layout == "nchw" and p.Cg > LEAN_MAX_CG:
-            return Support.no(f"slice_in=lean keeps a table of the slice's channels: C/G={p.Cg} exceeds {LEAN_MAX_CG}")
         if not whole_rows(config) and p.layout == "nchw":
             if config["groups_per_block"] != 1:
                 return Support.no("groups_per_block > 1 is for NHWC; NCHW slices are contiguous")
@@ -366,15 +363,12 @@ class GroupNormFwd(GroupNormOp):
         held = (slice_in == "regs") | (slice_in == "lean")
         regs = np.where(held, packed, np.where(slice_in == "rows", 2 * packed, items * vec // 2)) + 32
         regs += 3 * vec if p.layout == "nhwc" else 0
-        regs = np.where(slice_in == "lean", gn_vector.lean_regs(p, packed, vec), regs)
-        ok &= regs <= np.minimum(255, 65536 // (threads * k["min_blocks"]))
+        ok &= (slice_in == "lean") | (regs <= np.minimum(255, 65536 // (threads * k["min_blocks"])))
         rows = (slice_in == "rows") | (k["merge"] == "grid")  # whole_rows
         if p.layout != "nhwc":
             ok &= ~rows
         if p.layout == "nchw":
             ok &= rows | ((k["groups_per_block"] == 1) & (p.HW % vec == 0))
-            if p.Cg > LEAN_MAX_CG:
-                ok &= slice_in != "lean"
         return ok
 
     def shape_check_many(self, p: GroupNormProblem, k: Mapping[str, np.ndarray], target: Target) -> np.ndarray | None:
@@ -396,6 +390,12 @@ class GroupNormFwd(GroupNormOp):
         vec = vb // item
         if p.Cg * p.HW // vec > INT32_MAX:
             return Support.no("one (n, g) slice has over 2^31 vectors; use a wider vector")
+        if config["slice_in"] == "lean":  # lean's registers depend on C/G and the fusions
+            if fwd_regs_needed(p, config) > _regs_per_thread(config):
+                return Support.no(f"{items}x{vec} values per thread exceed the register budget of "
+                                  f"{_regs_per_thread(config)} at {threads} threads x {config['min_blocks']} blocks/SM")
+            if p.layout == "nchw" and p.Cg > LEAN_MAX_CG:
+                return Support.no(f"slice_in=lean keeps a table of the slice's channels: C/G={p.Cg} exceeds {LEAN_MAX_CG}")
         if whole_rows(config):
             return self._validate_rows(p, config, vec, split, target)
         if p.layout == "nchw":  # class_check: H*W is a whole number of vectors

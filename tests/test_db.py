@@ -213,23 +213,81 @@ def test_unquoted_yaml_date_is_read_as_iso_string(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ merge, filter, remove
 
 
-def test_merge_later_date_wins_and_distinct_idents_kept(tmp_path: Path) -> None:
+def test_merge_faster_wins_and_distinct_idents_kept(tmp_path: Path) -> None:
     path = tmp_path / "db.yaml"
     db.save_entries(path, [make(problem="a", date="2026-11-22T10:00:00+00:00", time_us=5.0),
                            make(problem="b", time_us=7.0)])
     older = make(problem="a", date="2026-01-01T00:00:00+00:00", time_us=9.0)
-    merged = db.save_entries(path, [older, make(problem="c")])
-    assert merged.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 5.0  # on disk is later
+    with pytest.warns(DBWarning, match="1 entry not saved"):
+        merged = db.save_entries(path, [older, make(problem="c")])
+    assert merged.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 5.0  # on disk is faster
     newer = make(problem="a", date="2026-12-01T00:00:00+00:00", time_us=3.0)
     db.save_entries(path, [newer])
     same_date = make(problem="b", time_us=6.0)
     db.save_entries(path, [same_date])
     d = InstanceDB.load(path)
     assert d.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 3.0
-    assert d.lookup("groupnorm_fwd", "sm_90", key("b")).time_us == 6.0  # equal date: new wins
+    assert d.lookup("groupnorm_fwd", "sm_90", key("b")).time_us == 6.0  # faster, same date
     assert sorted(e.problem for e in d.entries) == [key("a"), key("b"), key("c")]
-    db.save_entries(path, [make(problem="c", date=None, time_us=1.5)])  # no date: new wins
+    db.save_entries(path, [make(problem="c", date=None, time_us=1.5)])  # faster, no date
     assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("c")).time_us == 1.5
+
+
+def _verified(problem: str = "a", time_us: float = 12.5, date: str | None = None) -> Entry:
+    """An entry that holds for today's templates: the valid config nearest the default, as
+    rendered for sm_90."""
+    from ckgen.instance import render_instance
+    from ckgen.types import Target
+
+    op, target = get_op("groupnorm_fwd"), Target.named("sm_90")
+    prob = op.problem_from_key(key(problem))
+    cfg = op.space.nearest_default(lambda c: bool(op.validate(prob, c, target)))
+    inst = render_instance(op, prob, cfg, target)
+    e = make(problem=problem, time_us=time_us, date=date)
+    return Entry(**{**e.__dict__, "config": cfg.items, "instance": inst.name, "source_sha256": inst.sha256})
+
+
+def _ahead(hours: float, utc_offset_h: float = 0.0) -> str:
+    """An ISO date `hours` after now, written in the time zone UTC+`utc_offset_h`."""
+    import datetime as dt
+
+    when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=hours)
+    return when.astimezone(dt.timezone(dt.timedelta(hours=utc_offset_h))).isoformat(timespec="seconds")
+
+
+@pytest.mark.parametrize("stored_date", [
+    lambda: _ahead(2, -5),  # another machine's clock 2 h ahead, in another time zone
+    lambda: _ahead(24 * 365 * 70),  # far in the future
+    lambda: "yesterday",  # not ISO at all (sorts after every digit)
+], ids=["2h-ahead-other-zone", "future", "not-iso"])
+def test_a_fresh_faster_result_replaces_an_entry_whatever_its_date(tmp_path: Path, stored_date) -> None:
+    """The stored entry's date once outranked a fresh result: a date ahead of this machine's
+    clock, or text that sorts after digits, kept it for ever and the new winner was dropped."""
+    path = tmp_path / "db.yaml"
+    now, stored_date = _ahead(0), stored_date()
+    db.save_entries(path, [make(problem="a", date=stored_date, time_us=9.0),
+                           make(problem="b", date=stored_date, time_us=5.0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DBWarning)  # nothing dropped: nothing to report
+        db.save_entries(path, [make(problem="a", date=now, time_us=4.0)])
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 4.0
+    # Equally fast: a real date (not after now) outranks a future or unreadable one.
+    db.save_entries(path, [make(problem="b", date="2026-01-01T00:00:00+00:00", time_us=5.0)])
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("b")).date == "2026-01-01T00:00:00+00:00"
+
+
+def test_a_slower_result_is_not_saved_and_is_reported(tmp_path: Path) -> None:
+    """As `db merge` decides: a verified entry beats an unverified one, then the faster wins; an
+    entry a save did not keep is named in one DBWarning, never dropped in silence."""
+    path = tmp_path / "db.yaml"
+    db.save_entries(path, [make(problem="a", time_us=3.0), make(problem="b", time_us=3.0)])
+    with pytest.warns(DBWarning, match=r"not saved.*groupnorm_fwd sm_90 " + key("a").replace("=", ".")) as rec:
+        merged = db.save_entries(path, [make(problem="a", time_us=8.0, date="2026-12-01T00:00:00+00:00")])
+    assert len(rec) == 1 and "3 us" in str(rec[0].message)
+    assert merged.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 3.0
+    fresh = _verified(problem="b", time_us=8.0)  # slower, but holds for today's templates
+    db.save_entries(path, [fresh])
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("b")) == fresh
 
 
 def test_filter_drops_with_one_warning() -> None:

@@ -11,6 +11,10 @@ Contract (see docs/architecture.md, "Instance database"):
     structure) raises DBCorruptError, with a bounded message, and is never overwritten. One
     malformed entry (a bad field, an unknown op, a problem key its op cannot parse) is skipped
     with one warning; the rest of the file stays usable.
+  - One entry per (op, arch, problem); where two meet, the merge rule keeps one: a verified
+    entry (renders to its source_sha256), then the faster, then the later real date (dates as
+    aware datetimes; a missing, unreadable or future one ranks last). A save reports every new
+    entry it did not keep.
   - Writes merge with what is on disk under a file lock and replace the file atomically
     (temp file + fsync + os.replace), keeping the file's mode, so concurrent tuners on one file
     lose nothing. A save that cannot get the lock within LOCK_TIMEOUT_S, or that finds the file
@@ -297,6 +301,7 @@ def _field(d: Mapping[str, Any], name: str, prefix: str = "") -> Any:
 
 
 def _iso_key(date: str) -> _dt.datetime | None:
+    """An ISO date as an aware datetime (one without a zone is UTC); None if it does not parse."""
     try:
         parsed = _dt.datetime.fromisoformat(date)
     except ValueError:
@@ -304,25 +309,66 @@ def _iso_key(date: str) -> _dt.datetime | None:
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=_dt.timezone.utc)
 
 
-def _newer_or_equal(new: Entry, old: Entry) -> bool:
-    """The merge rule: `new` wins unless both have dates and `old`'s is strictly later."""
-    a, b = new.date, old.date
-    if a is None or b is None:
-        return True
-    ka, kb = _iso_key(a), _iso_key(b)
-    if ka is not None and kb is not None:
-        return ka >= kb
-    return a >= b
+def _stamp(e: Entry, now: float) -> float:
+    """The entry's date as a POSIX time for ranking: -inf when it has none, does not parse, or
+    lies after `now`. Dates come from other machines' clocks and from hand edits: a future or
+    unreadable one must never outrank a real one (it would keep its entry for ever)."""
+    when = _iso_key(e.date) if e.date else None
+    if when is None:
+        return -math.inf
+    try:
+        stamp = when.timestamp()
+    except (OverflowError, OSError, ValueError):  # a date at the edge of the range, in a far zone
+        return -math.inf
+    return stamp if stamp <= now else -math.inf
 
 
-def _merge(old: Iterable[Entry], new: Iterable[Entry]) -> list[Entry]:
-    """Entries of `old` then `new`, one per ident, by the merge rule."""
+def _rank(e: Entry, verified: bool, now: float) -> tuple[bool, float, float]:
+    """The merge rule, shared by saves and `merge_faster` (lower ranks first): an entry that holds
+    for today's templates, then the faster measurement, then the later real date."""
+    return (not verified, e.time_us, -_stamp(e, now))
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A new entry a save did not keep: `kept`, already there, ranks before it (`_rank`)."""
+
+    new: Entry
+    kept: Entry
+
+    def why(self) -> str:
+        if self.kept.time_us < self.new.time_us:
+            return f"the stored entry is faster ({self.kept.time_us:g} us < {self.new.time_us:g} us)"
+        return "the stored entry holds for today's templates and the new one does not"
+
+
+def _merge(old: Iterable[Entry], new: Iterable[Entry],
+           verified: Callable[[Entry], bool] | None = None) -> tuple[list[Entry], list[Dropped]]:
+    """Entries of `old` then `new`, one per ident: where two meet, the one of lower `_rank`
+    (a tie: the later one, so a save replaces an equal entry). Only entries that meet are
+    verified (a render each). Returns the entries kept and the entries of `new` that were not."""
+    check = verified or entry_verified
+    now = _dt.datetime.now(_dt.timezone.utc).timestamp()
     merged: dict[Ident, Entry] = {}
+    ranks: dict[Entry, tuple[bool, float, float]] = {}
+
+    def rank(e: Entry) -> tuple[bool, float, float]:
+        r = ranks.get(e)
+        if r is None:
+            r = ranks[e] = _rank(e, check(e), now)
+        return r
+
+    new = list(new)
+    fresh = set(new)
+    dropped: dict[Ident, Dropped] = {}
     for e in (*old, *new):
         prev = merged.get(e.ident)
-        if prev is None or _newer_or_equal(e, prev):
+        if prev is None or prev == e or rank(e) <= rank(prev):
             merged[e.ident] = e
-    return list(merged.values())
+            dropped.pop(e.ident, None)
+        elif e in fresh:
+            dropped[e.ident] = Dropped(e, prev)
+    return list(merged.values()), list(dropped.values())
 
 
 def _sort_key(e: Entry) -> tuple[str, ...]:
@@ -414,7 +460,7 @@ def _load(path: Path, contents: _Contents, pending: list[tuple[Path, _Contents]]
     if skipped and warn:
         _warn(f"instance DB {path}: skipped {_count(len(skipped))} malformed "
               f"(first: {skipped[0]}); the other entries are in use")
-    return InstanceDB(tuple(_merge((), entries)), path, tuple(skipped))
+    return InstanceDB(tuple(_merge((), entries)[0]), path, tuple(skipped))
 
 
 def _name(e: Entry) -> str:
@@ -954,8 +1000,10 @@ def _changed() -> None:
 def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
     """Merge `new` into the DB file at `path` under its lock and write it atomically.
 
-    For one ident the entry with the later provenance date wins (equal or missing: the new
-    one). Side files are folded in and removed; malformed items already in the file are
+    For one ident the merge rule (`_rank`, as `merge_faster` decides) picks: a verified entry
+    beats an unverified one, then the faster, then the later real date (a missing, unreadable or
+    future date ranks last); a full tie goes to the new entry. A new entry not kept is named in
+    one DBWarning (a tuning result is never dropped in silence). Side files are folded in and removed; malformed items already in the file are
     written back verbatim after the entries (and warned about, as by `load`). Returns the
     merged DB. A save never loses its entries:
       - lock not free within LOCK_TIMEOUT_S (other savers): the entries go to a side file,
@@ -977,12 +1025,15 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
                     _changed()  # the view (its side files) changed
                 raise DBCorruptError(path, e.what, side) from None
             on_disk = _load(path, contents, pending)
-            merged = InstanceDB(tuple(_merge(on_disk.entries, new)), path, on_disk.skipped)
+            kept, dropped = _merge(on_disk.entries, new)
+            merged = InstanceDB(tuple(kept), path, on_disk.skipped)
             malformed = contents.malformed + [m for _, c in pending for m in c.malformed]
             _write_atomic(path, _dump(merged.entries, malformed))
             for side, _ in pending:
                 side.unlink(missing_ok=True)
         _changed()
+        if dropped:
+            _warn_dropped(path, dropped)
         return merged
     except filelock.Timeout:
         if not new:  # nothing to keep
@@ -996,6 +1047,15 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
             return InstanceDB.load(path)
         except DBCorruptError as e:
             raise DBCorruptError(path, e.what, side) from None
+
+
+def _warn_dropped(path: Path, dropped: list[Dropped]) -> None:
+    """One DBWarning naming the new entries a save did not keep, and why: a result is never
+    dropped in silence."""
+    first = "; ".join(f"{_name(d.new)}: {d.why()}" for d in dropped[:3])
+    more = f"; and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+    _warn(f"instance DB {path}: {_count(len(dropped))} not saved, the stored ones rank first by the merge "
+          f"rule (verified, then faster): {first}{more}")
 
 
 def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
@@ -1041,13 +1101,12 @@ def entry_verified(e: Entry) -> bool:
 def merge_faster(*dbs: InstanceDB, verified: Callable[[Entry], bool] = entry_verified) -> InstanceDB:
     """One entry per (op, arch, problem) from several DBs, the same whatever their order: a
     verified entry (`entry_verified`) beats an unverified one, then the faster (`time_us`) wins,
-    then the later date; a full tie goes to the entry whose YAML text sorts first."""
+    then the later real date (`_stamp`); a full tie goes to the entry whose YAML text sorts first."""
     best: dict[Ident, tuple[Any, Entry]] = {}
+    now = _dt.datetime.now(_dt.timezone.utc).timestamp()
     for db in dbs:
         for e in db.entries:
-            when = _iso_key(e.date) if e.date else None
-            stamp = when.timestamp() if when is not None else -math.inf
-            rank = (not verified(e), e.time_us, -stamp, json.dumps(e.to_dict(), sort_keys=True))
+            rank = (*_rank(e, verified(e), now), json.dumps(e.to_dict(), sort_keys=True))
             if e.ident not in best or rank < best[e.ident][0]:
                 best[e.ident] = (rank, e)
     return InstanceDB(tuple(e for _, e in best.values()))

@@ -454,6 +454,53 @@ def test_save_with_a_busy_lock_keeps_its_entries_in_a_side_file(tmp_path: Path, 
     assert no_temp_files(tmp_path, {"db.yaml"})
 
 
+def _unusable_lock(lock: Path, kind: str, monkeypatch) -> None:
+    """Make `lock` a lock file filelock cannot open: a folder, a link (filelock refuses to
+    follow one), or a file of another user (simulated: the tests may run as root)."""
+    lock.unlink(missing_ok=True)
+    if kind == "folder":
+        lock.mkdir()
+    elif kind == "symlink":
+        lock.symlink_to(lock.parent / "elsewhere")
+    else:
+        import filelock
+
+        def denied(self, *args: object, **kw: object) -> None:
+            raise PermissionError(13, "Permission denied", str(self.lock_file))
+
+        monkeypatch.setattr(filelock.FileLock, "acquire", denied)
+
+
+@pytest.mark.parametrize("kind", ["folder", "symlink", "other-user"])
+def test_a_lock_file_that_cannot_be_opened_keeps_the_entries_in_a_side_file(tmp_path: Path, kind: str,
+                                                                            monkeypatch) -> None:
+    """A lock file that cannot be opened once raised out of the save: the tuned winner was lost.
+    It takes the lock timeout's path: a side file and one warning naming the lock and why."""
+    path = tmp_path / "db.yaml"
+    db.save_entries(path, [make(problem="a")])
+    _unusable_lock(tmp_path / "db.yaml.lock", kind, monkeypatch)
+    with pytest.warns(DBWarning) as rec:
+        view = db.save_entries(path, [make(problem="b")])
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    assert "db.yaml.lock" in msg and ("directory" in msg or "symbolic" in msg or "denied" in msg), msg
+    (side,) = db._side_files(path)
+    assert side.name in msg and InstanceDB.load(side).entries == (make(problem="b"),)
+    assert {e.problem for e in view} == {key("a"), key("b")}
+    assert {e.problem for e in InstanceDB.load(path)} == {key("a"), key("b")}
+
+
+def test_db_merge_with_an_unusable_lock_keeps_its_result_in_a_side_file(tmp_path: Path, capsys) -> None:
+    u, b = tmp_path / "u.yaml", tmp_path / "b.yaml"
+    db.save_entries(u, [make(problem="a")])
+    db.save_entries(b, [make(problem="b")])
+    _unusable_lock(tmp_path / "u.yaml.lock", "folder", None)
+    assert _merge(str(b), "-o", str(u)) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "u.yaml.lock" in err, err
+    assert len(db._side_files(u)) == 1 and {e.problem for e in InstanceDB.load(u)} == {key("a"), key("b")}
+
+
 def test_side_files_are_folded_by_remove_and_a_newer_main_entry_wins(tmp_path: Path, monkeypatch) -> None:
     import filelock
 

@@ -752,7 +752,9 @@ def cmd_db_merge(args: argparse.Namespace) -> int:
             raise UsageError(f"{name}: no such DB file")
         dbs.append(dbmod.InstanceDB.load(path))  # strict: a corrupt file is a DBError (exit 2)
     # Into what -o holds under its lock (as a save merges): entries saved meanwhile stay.
-    merged, held = dbmod.merge_into(out, *dbs)
+    merged, held, side = dbmod.merge_into(out, *dbs)
+    if side is not None:  # no lock: said in the warning, which names the side file
+        return 0
     console.print(f"wrote {plural(len(merged.entries), 'entry', 'entries')} to {out} (from "
                   f"{plural(sum(len(d.entries) for d in dbs), 'entry', 'entries')} in {plural(len(dbs), 'file')}"
                   + (f" and the {plural(held, 'entry', 'entries')} it held" if held else "") + ")", markup=False)

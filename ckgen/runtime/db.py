@@ -904,6 +904,45 @@ def _lock(path: Path) -> filelock.FileLock:
     return filelock.FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S)
 
 
+class _NoLock(Exception):
+    """The DB's lock could not be taken; `why` says so in a phrase."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold the lock of the DB at `path`. Taking it fails with _NoLock, never with another error:
+    a lock busy beyond LOCK_TIMEOUT_S, or a lock file that cannot be opened (another user's in a
+    shared folder, a folder, a link, which filelock refuses to follow). What the held block
+    raises passes unchanged."""
+    lock = _lock(path)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise _NoLock(f"its lock was not free within {LOCK_TIMEOUT_S:g} s (other saves)") from None
+    except OSError as e:
+        raise _NoLock(f"its lock file {lock.lock_file} cannot be used "
+                      f"({e.strerror or type(e).__name__})") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _locked_or_error(path: Path) -> Iterator[None]:
+    """`_locked`, for writes that have nothing to keep in a side file (a removal, a rewrite): no
+    lock is DBError, and nothing was written."""
+    try:
+        with _locked(path):
+            yield
+    except _NoLock as e:
+        raise DBError(f"instance DB {path}: {e.why}; nothing was written") from None
+
+
 def _dump(entries: Iterable[Entry], malformed: Iterable[Any] = ()) -> str:
     """The file text: sorted entries, then malformed items as read (kept for a hand fix)."""
     body = {"schema": SCHEMA_VERSION, "entries": [*(e.to_dict() for e in entries), *malformed]}
@@ -1006,15 +1045,16 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
     one DBWarning (a tuning result is never dropped in silence). Side files are folded in and removed; malformed items already in the file are
     written back verbatim after the entries (and warned about, as by `load`). Returns the
     merged DB. A save never loses its entries:
-      - lock not free within LOCK_TIMEOUT_S (other savers): the entries go to a side file,
-        with a DBWarning; the returned view is the file's plus its side files';
+      - lock not free within LOCK_TIMEOUT_S (other savers), or a lock file that cannot be
+        opened: the entries go to a side file, with a DBWarning naming the lock and why; the
+        returned view is the file's plus its side files';
       - a corrupt file: it is not written; the entries go to a side file and DBCorruptError
         (its `kept` names the side file) is raised.
     """
     new = list(new)
     path = _destination(path)
     try:
-        with _lock(path):
+        with _locked(path):
             _clean_temps(path)
             pending = _read_pending(path)
             try:
@@ -1035,14 +1075,13 @@ def save_entries(path: Path | str, new: Iterable[Entry]) -> InstanceDB:
         if dropped:
             _warn_dropped(path, dropped)
         return merged
-    except filelock.Timeout:
+    except _NoLock as e:
         if not new:  # nothing to keep
             return InstanceDB.load(path)
         side = _write_side(path, new)
         _changed()
-        _warn(f"instance DB {path}: its lock was not free within {LOCK_TIMEOUT_S:g} s; the "
-              f"{_count(len(new))} were kept in {side.name}, merged by every load and folded into "
-              "the file by the next save")
+        _warn(f"instance DB {path}: {e.why}; the {_count(len(new))} were kept in {side.name}, merged by "
+              "every load and folded into the file by the next save that gets the lock")
         try:
             return InstanceDB.load(path)
         except DBCorruptError as e:
@@ -1066,7 +1105,7 @@ def remove_entries(path: Path | str, pred: Callable[[Entry], bool]) -> int:
     if not path.exists() and not _side_files(path):
         return 0
     path = _destination(path)
-    with _lock(path):
+    with _locked_or_error(path):
         _clean_temps(path)
         pending = _read_pending(path)
         contents = _read(path, keep=False)
@@ -1113,7 +1152,7 @@ def merge_faster(*dbs: InstanceDB, verified: Callable[[Entry], bool] = entry_ver
 
 
 def merge_into(path: Path | str, *dbs: InstanceDB,
-               verified: Callable[[Entry], bool] = entry_verified) -> tuple[InstanceDB, int]:
+               verified: Callable[[Entry], bool] = entry_verified) -> tuple[InstanceDB, int, Path | None]:
     """`merge_faster` of the DB file at `path` (if it exists) and `dbs`, written to `path` as
     `save_entries` writes: under the file's lock, re-reading the file (and folding in its side
     files), so entries saved by others while the inputs were read and verified are merged, not
@@ -1122,9 +1161,11 @@ def merge_into(path: Path | str, *dbs: InstanceDB,
 
     Verifying costs a render per entry, so it is done before the lock is taken for `dbs` and
     the file as read then; under the lock only the entries saved since are verified. Raises
-    DBPathError (nothing written) for a destination that cannot be written, DBCorruptError
-    (untouched) for a corrupt one, and DBError when the lock is not free within LOCK_TIMEOUT_S
-    (nothing written; the inputs are unchanged, so the merge can simply run again)."""
+    DBPathError (nothing written) for a destination that cannot be written and DBCorruptError
+    (untouched) for a corrupt one. When the lock cannot be had (busy beyond LOCK_TIMEOUT_S, or
+    a lock file that cannot be opened), the merge of `dbs` goes to a side file of the
+    destination, as a save's entries do, with one DBWarning; every load merges it by the same
+    rule. Returns (the merged DB, how many entries the file held, the side file or None)."""
     known: dict[Entry, bool] = {}
 
     def check(e: Entry) -> bool:
@@ -1141,7 +1182,7 @@ def merge_into(path: Path | str, *dbs: InstanceDB,
     for e in (*before, *(e for db in dbs for e in db.entries)):
         check(e)
     try:
-        with _lock(path):
+        with _locked(path):
             _clean_temps(path)
             pending = _read_pending(path)
             contents = _read(path, keep=False)
@@ -1152,17 +1193,22 @@ def merge_into(path: Path | str, *dbs: InstanceDB,
             _write_atomic(path, _dump(merged.entries, malformed))
             for side, _ in pending:
                 side.unlink(missing_ok=True)
-    except filelock.Timeout:
-        raise DBError(f"instance DB {path}: its lock was not free within {LOCK_TIMEOUT_S:g} s (other "
-                      "saves); nothing was written") from None
+    except _NoLock as e:
+        incoming = merge_faster(*dbs, verified=check).entries
+        side = _write_side(path, list(incoming)) if incoming else None
+        _changed()
+        if side is not None:
+            _warn(f"instance DB {path}: {e.why}; the merge of {_count(len(incoming))} was kept in "
+                  f"{side.name}, merged by every load and folded into the file by the next save that gets the lock")
+        return InstanceDB.load(path), len(before), side
     _changed()
-    return InstanceDB(merged.entries, path, on_disk.skipped), len(on_disk.entries)
+    return InstanceDB(merged.entries, path, on_disk.skipped), len(on_disk.entries), None
 
 
 def write_db(path: Path | str, entries: Iterable[Entry]) -> None:
     """Write a DB file holding exactly `entries` (replacing what is there), under its lock, atomically."""
     path = _destination(path)
-    with _lock(path):
+    with _locked_or_error(path):
         _clean_temps(path)
         _write_atomic(path, _dump(sorted(entries, key=_sort_key)))
     _changed()

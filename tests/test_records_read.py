@@ -32,6 +32,32 @@ def test_a_deeply_nested_line_is_skipped_not_fatal(tmp_path):
     assert "line 2" in str(mine[0].message) and "nested" in str(mine[0].message)
 
 
+# ------------------------------------------------------------------ appends after a torn line
+
+
+def _problems(path) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", records.RecordsWarning)  # no malformed line left
+        return [r["problem"].split(",")[0] for r in records.read(path)]
+
+
+def test_an_append_after_a_torn_line_starts_a_fresh_line(tmp_path):
+    """An append cut by a full disk or a kill leaves a partial last line; the next append was
+    glued to it and both were skipped. The torn tail is cut back under the lock."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(_line(1) + "\n" + _line(2)[:40])
+    records.append(path, [json.loads(_line(3))])
+    assert _problems(path) == ["N=1", "N=3"]
+    assert path.read_text().endswith("\n")
+
+
+def test_an_append_after_a_whole_record_without_its_newline_keeps_it(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text(_line(1))  # cut just before its newline: the record is whole
+    records.append(path, [json.loads(_line(2))])
+    assert _problems(path) == ["N=1", "N=2"]
+
+
 # ------------------------------------------------------------------ kernel_version
 
 

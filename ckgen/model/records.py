@@ -26,8 +26,10 @@ import datetime as _dt
 import gzip
 import importlib.resources
 import json
+import errno
 import math
 import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -174,17 +176,51 @@ def read(path: Path | str) -> list[dict[str, Any]]:
 
 
 def append(path: Path | str, records: Iterable[dict[str, Any]]) -> None:
-    """Append records to a .jsonl file under its lock (concurrent tuners lose no line)."""
+    """Append records to a .jsonl file under its lock (concurrent tuners lose no line). The
+    appended lines always start a line of their own (`_mend_tail`). Only a regular file is
+    appended to (OSError otherwise): opening a FIFO for writing would wait for a reader."""
     lines = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records)
     if not lines:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     with filelock.FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S):
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(lines)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(path, flags, 0o666)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", str(path))
+            _mend_tail(fd)
+            data = memoryview(lines.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _mend_tail(fd: int) -> None:
+    """Make the file open at `fd` end with a newline (call under the lock). An append cut short
+    (a full disk, a kill) leaves a partial last line, and the next append would be glued to it:
+    both lines then fail to parse. A tail that is a whole record (cut just before its newline)
+    gets its newline; any other tail is cut back to the last newline."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start, step = size, 1 << 16
+    while start > 0:  # back to the byte after the last newline (the tail is one line: a few hundred bytes)
+        lo = max(0, start - step)
+        nl = os.pread(fd, start - lo, lo).rfind(b"\n")
+        if nl >= 0:
+            start = lo + nl + 1
+            break
+        start = lo
+    try:
+        _checked(json.loads(os.pread(fd, size - start, start)))
+    except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError):
+        os.ftruncate(fd, start)
+        return
+    os.write(fd, b"\n")
 
 
 def write_gz(path: Path | str, records: Iterable[dict[str, Any]]) -> None:

@@ -687,11 +687,11 @@ def test_convert_replaces_fuses_and_reports(route_cpu):
     text = str(report)
     rep = {e.name: e for e in report.replaced}
     left = {e.name: e for e in report.left}
-    assert type(model[1]) is ct.GroupNormSwish and type(model[2]) is nn.Identity
+    assert type(model[1]) is ct.GroupNormSwish and type(model[2]) is ct.SiLUPlaceholder
     assert rep["1"].result == "GroupNormSwish" and "consecutive in an nn.Sequential" in rep["1"].reason
     assert type(model[3]) is ct.MaxPool2d and model[3].indices == "recompute"
     assert type(model[4].norm1) is type(model[4].norm2) is ct.GroupNormSwish
-    assert type(model[4].act1) is type(model[4].act2) is nn.Identity
+    assert type(model[4].act1) is type(model[4].act2) is ct.SiLUPlaceholder
     assert "checked on the torch.fx trace" in rep["4.norm1"].reason
     assert type(model[5].norm) is ct.GroupNorm and type(model[5].act) is nn.SiLU
     assert "calls norm 1x and act 2x" in left["5.norm"].reason

@@ -726,6 +726,18 @@ class Tuner:
         done, best = 0, math.inf
         in_flight: collections.deque[tuple[Any, Config]] = collections.deque()
         beat = trial_heartbeat(study)
+        # Every trial this search asked for and has not told yet, proposed, in flight or being
+        # measured: however the search ends (Ctrl-C, an error), none is left RUNNING, where
+        # `db pull` would skip its study until the same tune ran again.
+        held: dict[int, Any] = {}
+
+        def hold(trial: Any) -> None:
+            held[trial.number] = trial
+            beat.add(trial._trial_id)
+
+        def release(trial: Any) -> None:
+            held.pop(trial.number, None)
+            beat.remove(trial._trial_id)
 
         def drop(trial: Any, attr: str, value: Any) -> None:
             trial.set_user_attr(attr, value)
@@ -741,7 +753,7 @@ class Tuner:
                 if run is not None and not run.allow(study):  # the shared budget is spent
                     return None
                 trial = study.ask()
-                beat.add(trial._trial_id)
+                hold(trial)
                 cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})
                 if cfg not in valid_set:  # only an enqueued config from elsewhere can be invalid here
                     ok = op.validate(problem, cfg, target)
@@ -756,8 +768,8 @@ class Tuner:
                         return trial, cfg
                     reason = None
                 ev.pruned += 1
-                beat.remove(trial._trial_id)
                 drop(trial, "invalid" if reason else "duplicate_of", reason or twin)
+                release(trial)
             return None
 
         def time_left() -> bool:
@@ -792,14 +804,19 @@ class Tuner:
                     best = min(best, m.timing.median_us)
                     if self.record:
                         self.record(config, m.timing.median_us)
-                beat.remove(trial._trial_id)
+                release(trial)
                 done += 1
                 if self.on_trial:
                     self.on_trial(done, trials, best)
         finally:
             try:
-                for trial, _ in in_flight:  # proposed, never measured (time budget, or an error)
-                    drop(trial, "cancelled", True)
+                # proposed and never measured (the time budget), or cut short (Ctrl-C, an error):
+                # failed as cancelled, not for a reason, so their configs are proposed again
+                for trial in list(held.values()):
+                    try:
+                        drop(trial, "cancelled", True)
+                    except Exception:  # noqa: BLE001 - already told, or the storage is failing: its heartbeat stops
+                        pass
             finally:
                 beat.close()
         return study

@@ -779,9 +779,11 @@ def pull_entries(url: str) -> Pulled:
     """DB entries from the finished studies of a storage (`ckgen db pull`): per study of today's
     templates, the winner of its latest final round (`ckgen tune --workers`) if it has one, else its
     best complete trial (every complete trial passed verification). Provenance: the device (in the
-    entry's target), the worker's host, the trials, the date. Studies with trials still running,
-    of other template versions, or of unknown ops are skipped, with the reason; so is a study
-    whose data cannot make an entry (one study's bad data never stops the pull)."""
+    entry's target), the worker's host, the trials, the date. Running trials whose heartbeats
+    stopped for tune.GRACE_S (a tune cut short) are failed first (optuna's fail_stale_trials).
+    Studies with trials still running (live), without trials, of other template versions, or of
+    unknown ops are skipped, with the reason; so is a study whose data cannot make an entry (one
+    study's bad data never stops the pull)."""
     import optuna
 
     from ..codegen import templates_digest
@@ -830,7 +832,22 @@ def _pull_study(storage: Any, name: str, digest: str, skipped: list[str]) -> Any
     study_id = storage.get_study_id_from_name(name)
     trials = storage.get_all_trials(study_id, deepcopy=False)
     if any(t.state == TrialState.RUNNING for t in trials):
-        skipped.append(f"{name}: trials still running")
+        # A tune cut short (Ctrl-C, a crash) leaves RUNNING trials whose heartbeats stop: failed
+        # as a tuner of the study would fail them (their configs are enqueued again), so the
+        # study is pulled now rather than after the same tune ran again.
+        import optuna
+
+        with warnings.catch_warnings():  # fail_stale_trials is "experimental" in optuna's words
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(optuna.load_study(study_name=name, storage=storage))
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        if running:
+            skipped.append(f"{name}: {running} trial(s) still running (their heartbeats are fresh: a tune at "
+                           "work); pull again when it ends")
+            return None
+    if not trials:
+        skipped.append(f"{name}: no trials yet")
         return None
     attrs = storage.get_study_user_attrs(study_id)
     finals = [v for k, v in attrs.items() if k.startswith("ckgen:") and k.endswith(":result")

@@ -229,29 +229,18 @@ def test_a_cut_cubin_fails_the_structure_check_alone():
     assert not any(ckcompile.elf_whole(whole[:n]) for n in range(0, len(whole) - 400, 97))
 
 
-class _Hung(BaseException):
-    """Raised by the alarm: not an OSError, which the cache's readers take for a miss."""
-
-
-def test_a_fifo_in_the_cache_does_not_hang(per_source, cache):
+def test_a_fifo_in_the_cache_does_not_hang(per_source, cache, no_hang):
     """A FIFO where an entry (or its record) should be: reading it waited for a writer for ever."""
-    import signal
-
     if not hasattr(os, "mkfifo"):
         pytest.skip("no FIFOs here")
     src = _src()
     path = ckcompile.cubin_path(src, SM90.arch)
     path.parent.mkdir(parents=True)
     os.mkfifo(path)
-    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(_Hung("hung on the FIFO")))
-    signal.alarm(5)
-    try:
+    with no_hang(5):
         assert ckcompile.cubin_bytes(src, SM90) == _elf(src.sha256.encode())
         assert ckcompile.compile_many([src], SM90, workers=1) == {}
         assert ckcompile.ensure_cubin(src, SM90).read_bytes() == _elf(src.sha256.encode())
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def test_cubins_are_synced_before_the_rename(nvrtc, cache, monkeypatch):

@@ -31,11 +31,13 @@ import math
 import os
 import stat
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import filelock
 
+from .. import files
 from ..ops import get_op
 from ..ops.spec import Config, OpSpec, Problem, Target
 
@@ -45,6 +47,9 @@ PHASES = ("trial", "final", "sweep", "winner", "default", "bench")
 # record of the shipped ckgen/data/records.jsonl.gz)
 SWEEP_SOURCE = "bench/results/sweeps/"
 LOCK_TIMEOUT_S = 60.0
+# Bytes of a records file read at most (and of a .gz one unpacked): a record takes ~400 bytes, so
+# over a million of them; a larger file (or /dev/zero at the path) is warned about, not read.
+MAX_RECORDS_BYTES = 512 * 2**20
 
 # The version of the kernels a record was timed with, in every record as "kernel_version". Raise
 # it when a template change alters what a config of the tuning spaces does (not merely how fast),
@@ -148,15 +153,14 @@ def read(path: Path | str) -> list[dict[str, Any]]:
     skipped with one RecordsWarning for the file."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = files.read_regular(path, MAX_RECORDS_BYTES)
+        if path.suffix == ".gz":
+            raw = _gunzip(path, raw)
     except FileNotFoundError:
         return []
-    if path.suffix == ".gz":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            warnings.warn(f"ckgen records {path}: not readable ({e}); not used", RecordsWarning, stacklevel=2)
-            return []
+    except (OSError, EOFError, zlib.error) as e:  # a FIFO, a device, too large, not gzip
+        warnings.warn(f"ckgen records {path}: not readable ({e}); not used", RecordsWarning, stacklevel=2)
+        return []
     out, bad, first = [], 0, ""
     for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
@@ -172,6 +176,17 @@ def read(path: Path | str) -> list[dict[str, Any]]:
     if bad:
         warnings.warn(f"ckgen records {path}: skipped {bad} malformed line(s) (first: {first})",
                       RecordsWarning, stacklevel=2)
+    return out
+
+
+def _gunzip(path: Path, raw: bytes) -> bytes:
+    """`raw` gunzipped, at most MAX_RECORDS_BYTES of it (a small file can unpack to any size)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = d.decompress(raw, MAX_RECORDS_BYTES)
+    if d.unconsumed_tail:
+        raise files.UnusableFile(f"{path} unpacks to over the {MAX_RECORDS_BYTES:,} bytes read at most")
+    if not d.eof:
+        raise EOFError("the gzip stream is cut short")
     return out
 
 

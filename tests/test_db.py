@@ -760,6 +760,25 @@ def test_db_merge_into_a_db_keeps_what_others_save_while_it_verifies(tmp_path: P
     assert {e.problem for e in InstanceDB.load(u)} == {key(n) for n in (1, 2, 3, 4, 10, 11, 12)}
 
 
+def test_db_merge_on_a_full_disk_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    """ENOSPC while `db merge` wrote its output ended in a traceback."""
+    import errno
+
+    out, b = tmp_path / "out.yaml", tmp_path / "b.yaml"
+    db.save_entries(out, [make(problem="a")])
+    db.save_entries(b, [make(problem="b")])
+    before = out.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(db.os, "fsync", full)
+    assert _merge(str(b), "-o", str(out)) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"ckgen db merge: no space left on device writing {out}"], err
+    assert out.read_bytes() == before and no_temp_files(tmp_path, {"out.yaml", "b.yaml"})
+
+
 def test_db_merge_into_a_db_keeps_its_malformed_items(tmp_path: Path, capsys) -> None:
     u, b = tmp_path / "u.yaml", tmp_path / "b.yaml"
     bad = make(problem="bad").to_dict()

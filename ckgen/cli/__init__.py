@@ -10,6 +10,7 @@ command, as the dispatcher layers them."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
@@ -303,6 +304,12 @@ def _storage_error(why: Any, url: str | None) -> UsageError:
     from ..tuner.storage_url import message
 
     return UsageError(f"--storage: {message(str(why), url)}")
+
+
+def _write_error(e: OSError, path: Path) -> UsageError:
+    """A DB write that failed (a full disk, a quota): one line naming the file."""
+    what = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e)).lower()
+    return UsageError(f"{what} writing {e.filename or path}")
 
 
 def _result_sheet(title: str, extra_cols: Sequence[Col] = ()) -> Sheet:
@@ -716,7 +723,10 @@ def cmd_db_pull(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - a driver's or optuna's own error, past the storage's opening
         raise _storage_error(f"{type(e).__name__}: {e}", args.storage) from None
     if pulled.entries:
-        dbmod.save_entries(path, pulled.entries)
+        try:
+            dbmod.save_entries(path, pulled.entries)
+        except OSError as e:  # a full disk: the DB is as it was; the studies still hold the winners
+            raise _write_error(e, path) from None
     sheet = Sheet("entries", f"pulled from {shown(args.storage)} ({plural(len(pulled.entries), 'entry', 'entries')})", (
         Col("op", ident=True), Col("arch", ident=True, fmt=printable), Col("device", fmt=printable),
         Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True, fmt=printable),
@@ -752,7 +762,10 @@ def cmd_db_merge(args: argparse.Namespace) -> int:
             raise UsageError(f"{name}: no such DB file")
         dbs.append(dbmod.InstanceDB.load(path))  # strict: a corrupt file is a DBError (exit 2)
     # Into what -o holds under its lock (as a save merges): entries saved meanwhile stay.
-    merged, held, side = dbmod.merge_into(out, *dbs)
+    try:
+        merged, held, side = dbmod.merge_into(out, *dbs)
+    except OSError as e:  # a full disk: the output is as it was
+        raise _write_error(e, out) from None
     if side is not None:  # no lock: said in the warning, which names the side file
         return 0
     console.print(f"wrote {plural(len(merged.entries), 'entry', 'entries')} to {out} (from "

@@ -1052,6 +1052,13 @@ def _write_file(dest: Path, text: str, prefix: str, mode_of: Path) -> None:
             if fd >= 0:
                 os.close(fd)
         os.replace(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno is None:
+            raise
+        # named by the file being written, not the temp file (or nothing: a failed write or
+        # fsync names no file), so a message can say which file could not be written
+        raise OSError(e.errno, e.strerror, str(dest)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

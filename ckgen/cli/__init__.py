@@ -276,13 +276,15 @@ def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
 def _check_storage(url: str | None, *, existing: bool = False) -> None:
     """--storage, checked before anything runs: a URL that cannot be a storage; a SQLite file in
     a folder that takes no new file (the file and its lock files go there; the lock would
-    otherwise be waited for in vain); with `existing` (`db pull` reads studies), a SQLite file
-    that is not there (optuna would create an empty one). Messages are masked (`_storage_error`)."""
+    otherwise be waited for in vain); a SQLite storage in memory; with `existing` (`db pull`
+    reads studies), a SQLite file that is not there (optuna would create an empty one) or that
+    is not an optuna storage (optuna would add its tables to it). Messages are masked
+    (`_storage_error`)."""
     if url is None:
         return
     from ..tuner import storage_url
     from ..runtime.db import folder_problem
-    from ..tuner.tune import storage_problem
+    from ..tuner.tune import sqlite_storage_problem, storage_problem
 
     try:
         why = storage_problem(url)
@@ -292,6 +294,8 @@ def _check_storage(url: str | None, *, existing: bool = False) -> None:
     if path is not None and existing and not path.is_file():
         why = (f"no study storage at {path}: the file does not exist" if not os.path.lexists(path)
                else f"{path} is not a regular file")
+    elif path is not None and existing:  # read, not written: optuna would add its tables to it
+        why = sqlite_storage_problem(path)
     elif path is not None:
         trouble = folder_problem(path.parent)
         why = f"{path} cannot be used: {trouble}" if trouble else None

@@ -788,7 +788,15 @@ def pull_entries(url: str) -> Pulled:
 
     from ..codegen import templates_digest
 
-    storage = tune.open_storage(url)
+    from .storage_url import sqlite_path
+
+    path = sqlite_path(url)
+    if path is not None:  # read, never created nor given optuna's tables
+        why = tune.sqlite_storage_problem(path) if path.is_file() else f"no study storage at {path}"
+        if why:
+            raise tune.StudyStorageError(why)
+    # so a SQLite file holds optuna's schema: opened without the schema lock, leaving no lock file
+    storage = tune.open_storage(url, existing=True)
     digest = templates_digest()[:12]
     out = Pulled([], [])
     for name in sorted(optuna.get_all_study_names(storage)):

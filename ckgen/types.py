@@ -148,6 +148,37 @@ class Target:
                          "sm_100) or gfx<major><minor><stepping> (AMD, e.g. gfx90a, gfx942, gfx1100)")
 
 
+# The archs ckgen's kernels are for (data, not branches). NVIDIA from sm_80: the templates use
+# max.NaN, cvt.rn.bf16x2.f32 and other sm_80 instructions, so an older arch fails to compile.
+# AMD: the archs whose HIP builds CI checks (tools/hip-toolchain); another is untried (add it here
+# once `ckgen generate --target` builds it).
+MIN_CUDA_ARCH = 80
+HIP_ARCHS = ("gfx90a", "gfx942", "gfx1100")
+
+
+def unsupported(target: Target) -> str | None:
+    """Why ckgen's kernels do not serve `target` (None: they do)."""
+    if target.vendor == "cuda":
+        digits = "".join(ch for ch in target.arch if ch.isdigit())
+        if int(digits) < MIN_CUDA_ARCH:
+            return (f"ckgen's kernels need sm_{MIN_CUDA_ARCH} or later (they use its instructions); "
+                    f"{target.arch} is older")
+        return None
+    if target.arch not in HIP_ARCHS:
+        return f"ckgen's AMD kernels are built for {', '.join(HIP_ARCHS)}; {target.arch} is not one of them"
+    return None
+
+
+def served(arch: str) -> Target:
+    """`Target.named(arch)`, for an arch ckgen's kernels serve; ValueError otherwise (an unknown
+    name, or an arch they do not run on: `unsupported`)."""
+    target = Target.named(arch)
+    why = unsupported(target)
+    if why:
+        raise ValueError(f"target: {why}")
+    return target
+
+
 # SMs (CUs) per arch where no device is at hand (the cost model's parallelism terms, tuning
 # records, CI): the flagship part of each arch (an H100 SXM for sm_90). Others: DEFAULT_SMS.
 NUM_SMS = {"sm_80": 108, "sm_86": 84, "sm_89": 128, "sm_90": 132, "sm_90a": 132, "sm_100": 148,

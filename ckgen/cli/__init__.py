@@ -583,14 +583,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from ..runtime.dispatch import dispatcher
     from ..ops import get_op
     from ..runtime.target import gpu_status
-    from ..types import Target
+    from ..types import served
 
     op = get_op(args.op)  # argparse checked the name
     _check_problem_options(op, args)
     target = None
     if args.arch is not None:
         try:
-            target = Target.named(args.arch)
+            target = served(args.arch)
         except ValueError as e:
             raise UsageError(f"--arch: {str(e).removeprefix('target: ')}") from None
     problems = _problems(op, args)
@@ -784,8 +784,7 @@ def cmd_db_where(args: argparse.Namespace) -> int:
     (a corrupt DB, a path that is a folder, a setting that does not parse) is reported in its
     row, and the others still are; the exit code is then 1."""
     from ..runtime import db as dbmod
-    from .. import settings
-    from ..resources import templates_dir, tuning_spaces_dir
+    from .. import resources, settings
 
     env = os.environ.get
     places = Sheet("places", "where ckgen reads and writes", (
@@ -823,9 +822,17 @@ def cmd_db_where(args: argparse.Namespace) -> int:
         return (str(p), origin, (plural(len(db.entries), "entry", "entries") if p.is_file() else missing)
                 + (f", {plural(len(side), 'pending side file')}" if side else ""))
 
+    def folder_state(folder: Path) -> str:
+        """A folder's row state; a file (or anything else) in its place makes the row unusable."""
+        if folder.is_dir():
+            return "exists"
+        if not os.path.lexists(folder):
+            return "not created yet"
+        raise UsageError(f"{folder} is not a folder")
+
     place("cache dir", lambda: (str(settings.cache_dir()),
                                 f"${settings.ENV_CACHE}" if env(settings.ENV_CACHE) else "the platform's user cache dir",
-                                "exists" if settings.cache_dir().is_dir() else "not created yet"))
+                                folder_state(settings.cache_dir())))
     user_origin = ("--db" if getattr(args, "db", None) else f"${settings.ENV_DB}" if env(settings.ENV_DB)
                    else "the cache dir")
     place("user DB", lambda: db_row(path, user_origin, user, user_error, "not created yet (no entries)"))
@@ -836,7 +843,7 @@ def cmd_db_where(args: argparse.Namespace) -> int:
                                      "exists" if studies.is_file() else "not created yet"))
     place("compiled kernels", lambda: (str(settings.kernel_cache_dir()), f"${settings.ENV_KERNEL_CACHE}"
                                        if os.environ.get(settings.ENV_KERNEL_CACHE) else "the cache dir",
-                                       "exists" if settings.kernel_cache_dir().is_dir() else "not created yet"))
+                                       folder_state(settings.kernel_cache_dir())))
     from .. import model as cost_model
     from ..model import records
 
@@ -852,8 +859,8 @@ def cmd_db_where(args: argparse.Namespace) -> int:
                                              "exists" if records.user_records_path().is_file() else "not created yet"))
     place("tuning records (shipped)", lambda: (str(records.packaged_records_path()), "the package",
                                                "exists" if records.packaged_records_path().is_file() else "missing"))
-    pkg = Path(__file__).resolve().parent
-    for what, folder in (("templates", templates_dir), ("tuning spaces", tuning_spaces_dir)):
+    pkg = Path(__file__).resolve().parent.parent  # the ckgen package (this is ckgen/cli/)
+    for what, folder in (("templates", resources.templates_dir), ("tuning spaces", resources.tuning_spaces_dir)):
         place(what, lambda folder=folder: (str(folder()), "the installed package" if pkg in folder().resolve().parents
                                            else "the checkout (beside the package)", ""))
 
@@ -904,14 +911,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from ..offline import library
-    from ..types import Target
+    from ..types import Target, served
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     if not targets:
         raise UsageError("--target: name at least one arch (e.g. sm_90)")
     for t in targets:
         try:
-            Target.named(t)
+            served(t)
         except ValueError as e:
             raise UsageError(f"--target: {str(e).removeprefix('target: ')}") from None
     ops = _ops_option(args.ops)

@@ -45,6 +45,16 @@ def short_repr(v: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def printable(value: Any) -> str:
+    """`value` as text a terminal shows rather than obeys: every character that is not printable
+    (ESC sequences, newlines and carriage returns, C1 codes, bidi overrides, line separators) as
+    its backslash escape. DB strings come from other machines (`db pull`, `db merge`)."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class KernelLimitError(ValueError):
     """A problem PyTorch can compute but ckgen's kernels cannot index (32-bit plane or window
     coordinates): an argument error for ckgen's own API, and a reason to run PyTorch's op in

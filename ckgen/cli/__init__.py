@@ -39,28 +39,25 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 
 def printable(value: Any) -> str:
-    """`value` as text a terminal shows rather than obeys: every character that is not
-    printable (ESC sequences, newlines and carriage returns, C1 codes, bidi overrides, line
-    separators) as its backslash escape. DB strings come from other machines (`db pull`, `db
-    merge`): a table of them must not move the cursor, recolour or clear the screen, or fake
-    rows. Table and tsv cells only: json escapes them itself, and keeps them exact."""
-    text = str(value)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    """`ckgen.types.printable`: DB strings come from other machines (`db pull`, `db merge`), and
+    a table of them must not move the cursor, recolour or clear the screen, or fake rows. Table
+    and tsv cells only: json escapes them itself, and keeps them exact."""
+    from ..types import printable as escaped
+
+    return escaped(value)
 
 
 # ------------------------------------------------------------------ option types (argparse)
 
 
-def _int_at_least(lo: int, what: str) -> Any:
+def _int_at_least(lo: int, what: str, hi: int | None = None) -> Any:
     def parse(text: str) -> int:
         try:
-            v = int(text)
+            v = int(text[:40])  # a longer text is no count (and int() of a huge one costs seconds)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
+        if v < lo or (hi is not None and v > hi) or len(text) > 40:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text[:40]}")
         return v
 
     parse.__name__ = what
@@ -68,6 +65,12 @@ def _int_at_least(lo: int, what: str) -> Any:
 
 
 _positive_int = _int_at_least(1, "a positive integer")
+
+
+def _trial_count(text: str) -> int:
+    from ..settings import MAX_TUNE_TRIALS
+
+    return _int_at_least(1, f"a positive integer, at most {MAX_TUNE_TRIALS:,}", MAX_TUNE_TRIALS)(text)
 _count = _int_at_least(0, "0 or more")
 
 
@@ -706,7 +709,8 @@ def cmd_db_show(args: argparse.Namespace) -> int:
 def cmd_db_export(args: argparse.Namespace) -> int:
     from ..runtime import db as dbmod
 
-    dbmod.export_csv(_layers(args)[3], sys.stdout)
+    # to a terminal, DB text is shown, not obeyed (a pipe or file gets the exact CSV)
+    dbmod.export_csv(_layers(args)[3], sys.stdout, cell=printable if sys.stdout.isatty() else None)
     return 0
 
 
@@ -1188,7 +1192,7 @@ def _common(p: argparse.ArgumentParser, prog: str, fn: Any, *, fmt: bool = False
 
 
 def _search_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=_positive_int, default=40, help="measured candidates per problem (default: 40)")
+    p.add_argument("--trials", type=_trial_count, default=40, help="measured candidates per problem (default: 40)")
     p.add_argument("--timeout", type=_seconds, help="seconds per problem (default: no limit)")
     p.add_argument("--total-timeout", type=_seconds, help="seconds for the whole run (default: no limit)")
     p.add_argument("--storage", help="optuna storage URL (default: sqlite:///<cache dir>/studies.sqlite3; "

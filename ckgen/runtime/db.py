@@ -1327,14 +1327,16 @@ def shipped_db_path() -> Path:
     return settings.shipped_db_override() or packaged_db_path()
 
 
-def export_csv(db: InstanceDB, stream: IO[str]) -> None:
-    """One header row (CSV_COLUMNS) and one row per entry; config as `k=v;k=v`."""
+def export_csv(db: InstanceDB, stream: IO[str], cell: Callable[[str], str] | None = None) -> None:
+    """One header row (CSV_COLUMNS) and one row per entry; config as `k=v;k=v`. `cell`: applied
+    to every text cell (the CLI escapes control characters for a terminal)."""
     writer = csv.writer(stream, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
+    text = cell or str
     for e in db.entries:
         config = ";".join(f"{k}={v}" for k, v in e.config)
-        writer.writerow([e.op, e.arch, e.device, e.problem, e.instance,
-                         repr(e.time_us), repr(e.gbps), repr(e.default_time_us), config])
+        writer.writerow([text(e.op), text(e.arch), text(e.device), text(e.problem), text(e.instance),
+                         repr(e.time_us), repr(e.gbps), repr(e.default_time_us), text(config)])
 
 
 _warned_corrupt: set[tuple[str, int, int]] = set()

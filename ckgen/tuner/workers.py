@@ -3,10 +3,12 @@ from one optuna storage; the same command on another machine with the same Postg
 
 - **A run** is what one command line starts (its op, problems, budgets, sampler and seed, per
   device kind): a record in the storage (a study named `ckgen-run|...`, user attr `current`) holds
-  its id and its deadline (`--total-timeout`). A worker of the same command joins the open run of
-  its device; a run is closed when every problem is done, and the same command after that starts a
-  new one (another `--trials` per problem, as a second `ckgen tune` does). A run whose workers all
-  died stays open: the same command finishes it.
+  its id, its deadline (`--total-timeout`) and the launch that made it. A worker of the same
+  command joins the open run of its device; a worker of the very launch that made the run joins
+  it however late it starts (past the deadline, or after the others closed it: it then finds
+  nothing left to do). A run is closed when every problem is done, and the same command after
+  that starts a new one (another `--trials` per problem, as a second `ckgen tune` does). A run
+  whose workers all died stays open: the same command finishes it.
 - **A problem is a study** (`tune.study_name`), shared by every worker on that device kind. Trials
   of the run carry the user attrs `run` and `worker`. The budget is the run's, not a worker's:
   `--trials` trials per problem in all (running, complete, or failed for a reason; a trial lost
@@ -97,12 +99,21 @@ class RunSpec:
     poll_s: float = 2.0  # how often an idle worker looks again
     heartbeat_s: float | None = None  # tune.HEARTBEAT_S / GRACE_S in the workers (tests shorten them)
     grace_s: float | None = None
+    # This command's launch (`launched`, by run_workers): its workers join the run it made however
+    # late each starts. Not part of the digest: the same command on another machine joins too.
+    launch: str = ""
 
     def digest(self) -> str:
         """Names the command: the same command on another machine joins the same run."""
         what = json.dumps([self.op, sorted(self.problems), self.trials, self.timeout, self.total_timeout,
                            self.sampler, self.seed], sort_keys=True)
         return hashlib.blake2b(what.encode(), digest_size=6).hexdigest()
+
+
+def launched(spec: RunSpec) -> RunSpec:
+    """`spec` for one launch of its command (a fresh `launch` id): what run_workers hands its
+    workers."""
+    return dataclasses.replace(spec, launch=uuid.uuid4().hex[:12])
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -287,11 +298,16 @@ class _Worker:
         with self._lock(name):
             cur = study.user_attrs.get("current")
             now = time.time()
+            if cur and self.spec.launch and cur.get("launch") == self.spec.launch:
+                # made by this worker's own command: joined however late this worker starts (a
+                # loaded machine, a slow GPU init), even past its deadline or closed: the run
+                # left finds nothing to do, where a new run would tune everything again
+                return cur["id"], cur.get("deadline")
             if cur and not cur.get("closed") and (cur.get("deadline") is None or now < cur["deadline"]):
                 return cur["id"], cur.get("deadline")
             new = {"id": uuid.uuid4().hex[:12], "created": now, "closed": False,
                    "deadline": now + self.spec.total_timeout if self.spec.total_timeout else None,
-                   "problems": len(self.spec.problems), "trials": self.spec.trials}
+                   "problems": len(self.spec.problems), "trials": self.spec.trials, "launch": self.spec.launch}
             study.set_user_attr("current", new)
             return new["id"], new["deadline"]
 
@@ -619,6 +635,7 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")
+    spec = spec if spec.launch else launched(spec)  # its workers join one run, whenever each starts
     infos = [WorkerInfo(i, devices[i % len(devices)] if devices else "") for i in range(workers)]
     procs, readers = [], {}
     t0 = time.monotonic()

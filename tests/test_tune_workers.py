@@ -216,11 +216,10 @@ def _joining(spec: wk.RunSpec) -> wk._Worker:
 
 
 def test_a_late_worker_of_the_same_command_joins_its_run(tmp_path):
-    """test_total_timeout_ends_the_run_for_every_worker once found its 2 workers in 2 runs on a
-    loaded machine: the second started after --total-timeout had passed since the first made the
-    run, and took the expired run for a finished one. A worker of the command that made the run
-    joins it however late it starts (and finds no time left); another command after the deadline
-    starts a new run."""
+    """A worker that starts after --total-timeout has passed since its sibling made the run (a
+    busy CPU, a slow GPU start) must not take the expired run for a finished one and start a
+    second: a worker of the launch that made the run joins it however late it starts (and finds
+    no time left); another launch of the command after the deadline starts a new run."""
     import time
 
     spec = spec_for(f"sqlite:///{tmp_path / 's.sqlite3'}", tmp_path, "late", total_timeout=1)

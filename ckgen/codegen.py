@@ -2,7 +2,11 @@
 the config and the target, nothing else."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import marshal
+import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +32,29 @@ OPTIONS = dict(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks
 BYTECODE_KEEP = 64  # compiled templates kept in the cache folder (a few per ckgen, Jinja and Python)
 
 
+# The head of a compiled-template file: the format, then the template source's checksum (Jinja's
+# bucket checksum) on its own line, then the code (marshal). No pickle: Jinja's own format
+# unpickles the checksum, and a planted file would run code on load.
+_BYTECODE_MAGIC = b"ckgen-jinja-bytecode 1\n"
+
+
 class TemplateBytecode(jinja2.BytecodeCache):
-    """Compiled templates kept in `<cache dir>/jinja` for the next process: compiling the
+    """Compiled templates kept in `<cache dir>/jinja-<uid>` for the next process: compiling the
     templates an unseen problem's first pick renders costs ~80 ms of CPU, loading them ~1 ms.
+
+    A compiled template is code that a render runs, so only this user's files are loaded: the
+    folder is per user, created 0700, and used only while it is a real folder of this user's that
+    no one else can write to (as Jinja's FileSystemBytecodeCache checks its folder); a file is
+    loaded only if it is this user's and writable by no one else (checked on the open file), and
+    its format holds no pickle. A cache dir shared by several users (the docs' shared kernel
+    cache) then keeps one such folder per user.
 
     Jinja names a template's file by its name and path and checks the template source's sha1
     on load; the file name here also carries the Jinja and Python versions and the environment's
     options (`tag`), which the compiled code depends on too. Best effort: the cache folder is
     looked up on each use (it follows $CKGEN_CACHE_DIR), a file that cannot be read as a
-    regular file, or read back as Jinja's bytecode, is compiled anew, and an unwritable folder
-    is no error."""
+    regular file, or read back as compiled code, is compiled anew, and an unusable folder is no
+    error (templates are then compiled in every process)."""
 
     def __init__(self, tag: str) -> None:
         self.tag = tag
@@ -46,7 +63,27 @@ class TemplateBytecode(jinja2.BytecodeCache):
     def folder() -> Path:
         from . import settings
 
-        return settings.cache_dir() / "jinja"
+        uid = os.geteuid() if hasattr(os, "geteuid") else None
+        return settings.cache_dir() / ("jinja" if uid is None else f"jinja-{uid}")
+
+    def _private_folder(self) -> Path | None:
+        """The folder, made if missing; None unless it is a folder (not a link) of this user's
+        that no one else can write to (one of this user's with looser modes is made 0700)."""
+        from . import parsecache
+
+        folder = self.folder()
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder, 0o700)
+            st = os.lstat(folder)
+            if stat.S_ISDIR(st.st_mode) and hasattr(os, "geteuid") and st.st_uid == os.geteuid() \
+                    and stat.S_IMODE(st.st_mode) != 0o700:
+                os.chmod(folder, 0o700)
+                st = os.lstat(folder)
+        except OSError:
+            return None
+        return folder if stat.S_ISDIR(st.st_mode) and parsecache.private(st) else None
 
     def _name(self, bucket: jinja2.bccache.Bucket) -> str:
         return f"{self.tag}-{bucket.key}.cache"
@@ -54,21 +91,27 @@ class TemplateBytecode(jinja2.BytecodeCache):
     def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
         from . import parsecache
 
+        folder = self._private_folder()
+        data = parsecache.read_file(folder / self._name(bucket), owner_only=True) if folder else None
+        head = _BYTECODE_MAGIC + bucket.checksum.encode() + b"\n"
+        if data is None or not data.startswith(head):
+            return  # none, another format, or compiled from another source: compiled anew
         try:
-            data = parsecache.read_file(self.folder() / self._name(bucket))
-            if data is not None:
-                bucket.bytecode_from_string(data)
-        except Exception:
+            bucket.code = marshal.loads(data[len(head):])
+        except (EOFError, ValueError, TypeError):
             bucket.reset()
 
     def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
         from . import parsecache
 
-        try:
-            data = bucket.bytecode_to_string()
-        except Exception:
+        folder = self._private_folder()
+        if folder is None or bucket.code is None:
             return
-        parsecache.write_file(self.folder(), self._name(bucket), data, keep=BYTECODE_KEEP)
+        try:
+            data = _BYTECODE_MAGIC + bucket.checksum.encode() + b"\n" + marshal.dumps(bucket.code)
+        except ValueError:  # code marshal cannot write
+            return
+        parsecache.write_file(folder, self._name(bucket), data, keep=BYTECODE_KEEP, mode=0o600)
 
 
 def bytecode_tag() -> str:

@@ -70,9 +70,18 @@ def read(kind: str, k: str) -> bytes | None:
     return read_file(folder(kind) / f"{k}.json")
 
 
-def read_file(path: Path) -> bytes | None:
+def private(st: os.stat_result) -> bool:
+    """Is what `st` describes this user's and writable by no one else? (Always true where there
+    are no user ids.) A file that holds code (compiled templates) is run only when it is."""
+    if not hasattr(os, "geteuid"):  # pragma: no cover - Windows
+        return True
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def read_file(path: Path, max_bytes: int = MAX_BYTES, owner_only: bool = False) -> bytes | None:
     """The bytes of the file at `path`, None if there is none or it cannot be read as a regular
-    file of at most MAX_BYTES (opened without blocking: a FIFO put there waits for no one)."""
+    file of at most `max_bytes` (opened without blocking: a FIFO put there waits for no one), or,
+    with `owner_only`, it is not `private` (checked on the open file, not on its name)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(path, flags)
@@ -80,16 +89,16 @@ def read_file(path: Path) -> bytes | None:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes or (owner_only and not private(st)):
             return None
         chunks, size = [], 0
-        while size <= MAX_BYTES:
-            chunk = os.read(fd, min(1 << 22, MAX_BYTES + 1 - size))
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 22, max_bytes + 1 - size))
             if not chunk:
                 break
             chunks.append(chunk)
             size += len(chunk)
-        return b"".join(chunks) if size <= MAX_BYTES else None
+        return b"".join(chunks) if size <= max_bytes else None
     except OSError:
         return None
     finally:
@@ -102,27 +111,28 @@ def write(kind: str, k: str, text: str) -> None:
         write_file(folder(kind), f"{k}.json", text.encode("ascii"))
 
 
-def new_temp(folder: Path, prefix: str) -> tuple[int, Path]:
+def new_temp(folder: Path, prefix: str, mode: int = 0o666) -> tuple[int, Path]:
     """A new file `<prefix><hex>.tmp` in `folder`, opened for writing (the DB saves, the kernel
-    cache and these caches write one, then rename it into place). Created with mode 0666, so the
-    umask applies as to any new file: tempfile's 0600 would make each file private to its
-    writer, and a folder shared by two users fail for the second."""
+    cache and these caches write one, then rename it into place). Created with mode 0666 by
+    default, so the umask applies as to any new file: tempfile's 0600 would make each file
+    private to its writer, and a folder shared by two users fail for the second."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     while True:
         tmp = folder / f"{prefix}{secrets.token_hex(8)}.tmp"
         try:
-            return os.open(tmp, flags, 0o666), tmp
+            return os.open(tmp, flags, mode), tmp
         except FileExistsError:
             continue
 
 
-def write_file(where: Path, name: str, data: bytes, keep: int | None = None) -> None:
+def write_file(where: Path, name: str, data: bytes, keep: int | None = None, mode: int = 0o666) -> None:
     """Keep `data` as the file `name` (ending in .json or .cache) in the folder `where`: a temp
-    file renamed into place, then the folder pruned to its `keep` (default KEEP) most recently
-    written such files. Best effort: any error leaves the folder as it was."""
+    file (created with `mode`, less the umask) renamed into place, then the folder pruned to its
+    `keep` (default KEEP) most recently written such files. Best effort: any error leaves the
+    folder as it was."""
     with contextlib.suppress(Exception):
         where.mkdir(parents=True, exist_ok=True)
-        fd, tmp = new_temp(where, ".parsed-")
+        fd, tmp = new_temp(where, ".parsed-", mode)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)

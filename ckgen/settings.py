@@ -18,6 +18,10 @@ ENV_TUNE = "CKGEN_TUNE"  # "1" (or true/yes/on): online tuning (ckgen/tuner/onli
 ENV_TUNE_TRIALS = "CKGEN_TUNE_TRIALS"  # online tuning: configs measured per problem (default TUNE_TRIALS)
 ENV_TUNE_MAX_S = "CKGEN_TUNE_MAX_S"  # online tuning: wall-time cap per problem's search, in seconds (default none)
 TUNE_TRIALS = 12
+# Trials of one problem's search at most: no op's tuning space holds more than some thousands of
+# valid configs, and a larger count (say 10^23) only reaches the tuner's int arithmetic and
+# optuna as a number nothing was built for.
+MAX_TUNE_TRIALS = 1_000_000
 
 
 def cache_dir() -> Path:
@@ -81,16 +85,18 @@ def tune_enabled() -> bool:
 
 
 def tune_trials() -> int:
-    """$CKGEN_TUNE_TRIALS (a positive integer), else TUNE_TRIALS; ValueError naming it if malformed."""
+    """$CKGEN_TUNE_TRIALS (an integer from 1 to MAX_TUNE_TRIALS), else TUNE_TRIALS; ValueError
+    naming it if malformed."""
     value = os.environ.get(ENV_TUNE_TRIALS, "").strip()
     if not value:
         return TUNE_TRIALS
     try:
-        n = int(value)
+        n = int(value[:40])  # a longer text is no count (and int() of a huge one costs seconds)
     except ValueError:
         n = 0
-    if n < 1:
-        raise ValueError(f"${ENV_TUNE_TRIALS}: expected a positive integer, got {value[:40]!r}")
+    if not 1 <= n <= MAX_TUNE_TRIALS or len(value) > 40:
+        raise ValueError(f"${ENV_TUNE_TRIALS}: expected a positive integer, at most {MAX_TUNE_TRIALS:,}, "
+                         f"got {value[:40]!r}")
     return n
 
 

@@ -311,6 +311,22 @@ def load_space_file(path: str) -> Space:
 
 
 def _read(path: Path) -> Space:
-    # libyaml's safe loader where PyYAML has it: ~2 ms for a space instead of ~15 (the first
-    # pick of an op in a process reads its space)
-    return _parse(yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))  # noqa: S506
+    """The space in the file at `path`; ValueError naming the file (and the line, for bad YAML)
+    for one that does not read as a tuning space: a plug-in's file is the user's own."""
+    try:
+        # libyaml's safe loader where PyYAML has it: ~2 ms for a space instead of ~15 (the first
+        # pick of an op in a process reads its space)
+        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ValueError(f"tuning space {path}: not valid YAML ({where}{getattr(e, 'problem', None) or e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"tuning space {path}: cannot be read ({e})") from None
+    try:
+        return _parse(doc)
+    except ValueError as e:
+        raise ValueError(str(e) if str(path) in str(e) else f"tuning space {path}: {e}") from None
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a field missing, or of another kind
+        what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"tuning space {path}: not a tuning space ({what})") from None

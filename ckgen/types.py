@@ -45,6 +45,16 @@ def short_repr(v: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def printable(value: Any) -> str:
+    """`value` as text a terminal shows rather than obeys: every character that is not printable
+    (ESC sequences, newlines and carriage returns, C1 codes, bidi overrides, line separators) as
+    its backslash escape. DB strings come from other machines (`db pull`, `db merge`)."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class KernelLimitError(ValueError):
     """A problem PyTorch can compute but ckgen's kernels cannot index (32-bit plane or window
     coordinates): an argument error for ckgen's own API, and a reason to run PyTorch's op in
@@ -146,6 +156,37 @@ class Target:
             return cls("hip", arch, 64 if len(arch) == len("gfx9xx") else 32, False)
         raise ValueError(f"target: unknown arch {short_repr(arch)}; use sm_<major><minor>[a] (NVIDIA, e.g. sm_90, "
                          "sm_100) or gfx<major><minor><stepping> (AMD, e.g. gfx90a, gfx942, gfx1100)")
+
+
+# The archs ckgen's kernels are for (data, not branches). NVIDIA from sm_80: the templates use
+# max.NaN, cvt.rn.bf16x2.f32 and other sm_80 instructions, so an older arch fails to compile.
+# AMD: the archs whose HIP builds CI checks (tools/hip-toolchain); another is untried (add it here
+# once `ckgen generate --target` builds it).
+MIN_CUDA_ARCH = 80
+HIP_ARCHS = ("gfx90a", "gfx942", "gfx1100")
+
+
+def unsupported(target: Target) -> str | None:
+    """Why ckgen's kernels do not serve `target` (None: they do)."""
+    if target.vendor == "cuda":
+        digits = "".join(ch for ch in target.arch if ch.isdigit())
+        if int(digits) < MIN_CUDA_ARCH:
+            return (f"ckgen's kernels need sm_{MIN_CUDA_ARCH} or later (they use its instructions); "
+                    f"{target.arch} is older")
+        return None
+    if target.arch not in HIP_ARCHS:
+        return f"ckgen's AMD kernels are built for {', '.join(HIP_ARCHS)}; {target.arch} is not one of them"
+    return None
+
+
+def served(arch: str) -> Target:
+    """`Target.named(arch)`, for an arch ckgen's kernels serve; ValueError otherwise (an unknown
+    name, or an arch they do not run on: `unsupported`)."""
+    target = Target.named(arch)
+    why = unsupported(target)
+    if why:
+        raise ValueError(f"target: {why}")
+    return target
 
 
 # SMs (CUs) per arch where no device is at hand (the cost model's parallelism terms, tuning

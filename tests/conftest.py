@@ -101,3 +101,30 @@ def inproc(capsys, monkeypatch):
         return code, out, err
 
     return run
+
+
+class Hung(BaseException):
+    """Raised by `no_hang`'s alarm: not an OSError, which ckgen's readers take for a missing file."""
+
+
+@pytest.fixture
+def no_hang():
+    """`with no_hang(5): ...`: fail with Hung instead of blocking for ever (a FIFO opened for
+    reading waits for a writer)."""
+    import contextlib
+    import signal
+
+    @contextlib.contextmanager
+    def within(seconds: int = 5):
+        def hung(*args):
+            raise Hung(f"still blocked after {seconds} s")
+
+        old = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+
+    return within

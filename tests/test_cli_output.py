@@ -495,3 +495,62 @@ def test_tune_skip_tuned_goes_on_where_the_last_run_stopped(run, fake_gpu, tmp_p
     assert code == 0, err
     assert "0 of 1 problem already tuned for sm_90; tuning 1 (1 with a stale entry" in err
     assert [r["problem"] for r in json.loads(out)["results"]] == [pool_entry(0).problem]
+
+
+# ------------------------------------------------------------------ where things come from, what ckgen serves
+
+
+def test_db_where_labels_the_installed_packages_folders_and_a_cache_that_is_a_file(run, tmp_path, monkeypatch) -> None:
+    """The CLI moved into a subpackage and compared the folders with ckgen/cli/: an installed
+    package's templates were labelled "the checkout"; a kernel cache that is a file was "not
+    created yet"."""
+    import ckgen
+    from ckgen import resources
+
+    inside = Path(ckgen.__file__).resolve().parent
+    monkeypatch.setattr(resources, "templates_dir", lambda: inside / "templates")  # as a wheel holds them
+    monkeypatch.setattr(resources, "tuning_spaces_dir", lambda: inside.parent / "tuning_spaces")  # as a checkout does
+    cache = tmp_path / "kernels"
+    cache.write_text("not a folder")
+    monkeypatch.setenv("CKGEN_KERNEL_CACHE", str(cache))
+    code, out, err = run("db", "where", "--format", "json")
+    places = {p["what"]: p for p in json.loads(out)["places"]}
+    assert places["templates"]["set_by"] == "the installed package"
+    assert places["tuning spaces"]["set_by"] == "the checkout (beside the package)"
+    assert code == 1 and "not created yet" not in places["compiled kernels"]["state"]
+    assert "not a folder" in places["compiled kernels"]["state"], places["compiled kernels"]
+
+
+@pytest.mark.parametrize("arch", ["sm_70", "sm_52", "sm_75", "gfx908", "gfx906"])
+def test_an_arch_ckgen_has_no_kernels_for_is_one_line(run, arch, tmp_path) -> None:
+    """`explain --arch sm_70` answered with a confident pick and `generate --target sm_70`
+    printed 80 lines of NVRTC failures: ckgen's kernels need sm_80 or later (CUDA) and are built
+    for gfx90a, gfx942 and gfx1100 (HIP)."""
+    for argv, option in ((["explain", "groupnorm_fwd", "--arch", arch], "--arch"),
+                         (["generate", "--target", arch, "--out", str(tmp_path / "gen"), "--no-compile"], "--target")):
+        code, out, err = run(*argv)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 2 and len(lines) == 1 and option in lines[0] and arch in lines[0], err
+    with pytest.raises(ValueError, match=arch):
+        import ckgen
+
+        ckgen.explain("groupnorm_fwd", N=1, C=32, H=8, W=8, G=8, dtype="bf16", layout="nhwc", arch=arch)
+
+
+def test_explain_and_db_export_on_a_terminal_escape_db_text(run, tmp_path, monkeypatch) -> None:
+    """DB text from other machines (a device name with an escape sequence) reached the terminal
+    raw through `print(ckgen.explain(...))` and `ckgen db export`."""
+    import ckgen
+    from ckgen import settings
+
+    evil = "\x1b[2J\x1b[31mH100\x07"
+    e = dataclasses.replace(make_entries(1)[0], device=evil)
+    dbmod.save_entries(settings.user_db_path(), [e])
+    ckgen.reload_db()
+    p = get_op(e.op).problem_from_key(e.problem)
+    choice = ckgen.explain(e.op, **{k: getattr(p, k) for k in ("N", "C", "H", "W", "G", "dtype", "layout")},
+                           activation=p.activation, arch=e.arch)
+    assert "\x1b" not in str(choice) and "\\x1b" in str(choice), str(choice)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    code, out, _ = run("db", "export")
+    assert code == 0 and "\x1b" not in out and "\\x1b[2J" in out

@@ -88,6 +88,46 @@ def test_db_pull_takes_the_best_verified_trial_of_a_plain_study(inproc, tmp_path
     assert dbmod.entry_verified(entry)  # instance and source hash rendered from today's templates
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_db_pull_fails_stale_running_trials_and_says_which_studies_have_none(inproc, tmp_path, monkeypatch):
+    """A tune cut short (Ctrl-C of a worker run, a crash) left RUNNING trials, and `db pull`
+    skipped the study ("trials still running") until the same tune ran again. Trials whose
+    heartbeats went stale are failed (optuna's fail_stale_trials) and the study is pulled; a
+    study with a live trial is still skipped, and one without trials says so."""
+    import time
+
+    import optuna
+
+    from ckgen.tuner import tune
+    from ckgen.tuner.tune import open_storage, study_name
+
+    monkeypatch.setattr(tune, "GRACE_S", 2)
+    monkeypatch.setattr(tune, "HEARTBEAT_S", 0.3)
+    storage = f"sqlite:///{tmp_path / 's.sqlite3'}"
+    k_cut, k_live, k_empty = wtimes.KEYS[:3]
+    names = {k: study_name(OP, OP.problem_from_key(k), wtimes.SM90, "Some GPU") for k in (k_cut, k_live, k_empty)}
+    for key in (k_cut, k_live):
+        Tuner(TuneRequest(OP, OP.problem_from_key(key), wtimes.SM90, trials=3, storage=storage, device="Some GPU",
+                          restrict=lambda c, key=key: wtimes.restrict_to(key, c), model=None),
+              ReplayEvaluator(lambda c, key=key: wtimes.time_of(key, c))).search()
+    optuna.create_study(study_name=names[k_empty], storage=storage)
+    st = open_storage(storage)
+    cut = optuna.load_study(study_name=names[k_cut], storage=st).ask()  # asked for, beaten once, its tuner gone
+    st.record_heartbeat(cut._trial_id)
+    time.sleep(3.5)  # past the grace period (SQLite keeps whole seconds)
+    live = optuna.load_study(study_name=names[k_live], storage=st).ask()  # a tuner still at work
+    out_db = tmp_path / "pulled.yaml"
+    with tune.Heartbeat(st.record_heartbeat) as beat:
+        beat.add(live._trial_id)
+        code, out, err = inproc("db", "pull", "--storage", storage, "--db", str(out_db), "--format", "json")
+    assert code == 0, err
+    assert [e.problem for e in dbmod.InstanceDB.load(out_db).entries] == [OP.problem_from_key(k_cut).key()]
+    skipped = dict(s.split(": ", 1) for s in json.loads(out)["skipped"])
+    assert "still running" in skipped[names[k_live]] and skipped[names[k_empty]] == "no trials yet", skipped
+    states = [t.state for t in optuna.load_study(study_name=names[k_cut], storage=storage).trials]
+    assert optuna.trial.TrialState.RUNNING not in states
+
+
 def _entry(problem: str, time_us: float, date: str, sha: str | None = None) -> dbmod.Entry:
     from ckgen.instance import render_instance
 

@@ -103,7 +103,7 @@ def test_a_spoiled_cache_file_is_compiled_anew(fresh, spoil) -> None:
     assert _sources() == want
     if spoil in ("garbage", "truncated", "empty"):  # rewritten by the compile
         _fresh_environment()
-        assert [f.read_bytes()[:2] for f in files] == [b"j2"] * len(files)
+        assert all(f.read_bytes().startswith(codegen._BYTECODE_MAGIC) for f in files)
 
 
 def test_another_jinja_or_python_keeps_its_own_files(fresh, monkeypatch) -> None:
@@ -135,3 +135,63 @@ def test_the_cache_keeps_its_newest_files(fresh, monkeypatch) -> None:
     monkeypatch.setattr(codegen, "BYTECODE_KEEP", 2)
     _sources()
     assert len(_cached_files()) == 2
+
+
+# ------------------------------------------------------------------ files another user can write
+
+
+class _Payload:
+    """Unpickling this touches `marker`: what a file planted in a cache would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _plant(files: list[Path], marker: Path, owner: int | None) -> None:
+    """Replace each cache file by one Jinja's bytecode loader would unpickle (its checksum slot
+    holds the payload): another user's and writable by anyone, or (owner None) this user's own
+    private file, as an old ckgen's Jinja-format file would be."""
+    import pickle
+
+    for f in files:
+        f.write_bytes(jinja2.bccache.bc_magic + pickle.dumps(_Payload(marker), 2))
+        f.chmod(0o600 if owner is None else 0o666)
+        if owner is not None:
+            os.chown(f, owner, -1)
+
+
+@pytest.mark.parametrize("owner", ["this user", "another user"])
+def test_no_cache_file_is_unpickled(fresh, tmp_path: Path, owner: str) -> None:
+    """Jinja's bucket unpickles the checksum of a cache file: a file planted in the cache (in a
+    folder another user can write, or left by an old ckgen) ran code during a plain render."""
+    if owner == "another user" and os.geteuid() != 0:
+        pytest.skip("making a file another user's needs root")
+    want = _sources()
+    files = _cached_files()
+    assert files
+    marker = tmp_path / "ran"
+    _plant(files, marker, 65534 if owner == "another user" else None)
+    _fresh_environment()
+    assert _sources() == want
+    assert not marker.exists(), "a cache file's pickle was loaded"
+
+
+def test_the_cache_folder_is_private_to_its_user(fresh) -> None:
+    """The folder follows no umask (0775 under umask 002 let a group plant files): it is 0700
+    and this user's, and a folder that is not (a link, another user's, open to others) is not
+    used."""
+    import stat
+
+    old = os.umask(0o002)
+    try:
+        _sources()
+    finally:
+        os.umask(old)
+    folder = codegen.TemplateBytecode.folder()
+    st = os.lstat(folder)
+    assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
+    for f in _cached_files():
+        assert stat.S_IMODE(f.stat().st_mode) & 0o022 == 0

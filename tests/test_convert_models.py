@@ -221,7 +221,7 @@ def test_user_adapter_registry():
         assert ct.unregister_adapter("test.MyBlock") is adapter
     assert adapter not in ct.registered_adapters()
     replaced, _ = _by_name(report)
-    assert replaced["0.norm"].adapter == "test.MyBlock" and replaced["0.act"].result == "Identity"
+    assert replaced["0.norm"].adapter == "test.MyBlock" and replaced["0.act"].result == "SiLUPlaceholder"
     assert "[test.MyBlock]" in str(report)
     _same_training_step(model, ref, torch.randn(2, 8, 6, 6))
     plain = copy.deepcopy(ref)
@@ -316,13 +316,13 @@ def test_ldm_resblock_and_groupnorm32(pkg, scale_shift, updown):
     report = ct.convert(net)
     replaced, left = _by_name(report)
     blk = net.blocks.block
-    assert type(blk.in_layers[0]) is ct.GroupNormSwish and type(blk.in_layers[1]) is nn.Identity
+    assert type(blk.in_layers[0]) is ct.GroupNormSwish and type(blk.in_layers[1]) is ct.SiLUPlaceholder
     assert replaced["blocks.block.in_layers.0"].adapter == "ldm.ResBlock"
     if scale_shift:
         assert type(blk.out_layers[0]) is ct.GroupNorm and type(blk.out_layers[1]) is nn.SiLU
         assert "use_scale_shift_norm" in left["blocks.block.out_layers.0"].reason
     else:
-        assert type(blk.out_layers[0]) is ct.GroupNormSwish and type(blk.out_layers[1]) is nn.Identity
+        assert type(blk.out_layers[0]) is ct.GroupNormSwish and type(blk.out_layers[1]) is ct.SiLUPlaceholder
     assert type(net.norm) is ct.GroupNorm and replaced["norm"].adapter == "ldm.GroupNorm32"
     x = torch.randn(2, 8, 8, 8).contiguous(memory_format=CL)
     _same_training_step(net, ref, x, torch.randn(2, 16))
@@ -401,8 +401,8 @@ def test_timm_groupnorm_act(kind, kw, fused):
     report = ct.convert(model)
     replaced, _ = _by_name(report)
     assert type(model[1]) is ct.GroupNormAct and replaced["1"].adapter == "timm.GroupNormAct"
-    assert (model[1].activation == "swish") is fused and (type(model[1].act) is nn.Identity) is (fused or
-                                                                                                 type(mod.act) is nn.Identity)
+    assert (model[1].activation == "swish") is fused
+    assert type(model[1].act) is (ct.SiLUPlaceholder if fused else type(mod.act))
     assert model[1].drop is mod.drop and list(model.state_dict()) == keys
     assert model[1].weight is mod.weight
     _same_training_step(model, ref, torch.randn(2, 3, 5, 7))
@@ -538,13 +538,124 @@ def _tiny_unet():
         cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8)
 
 
+def _edit_both(model, ref, edit):
+    """The same edit to the converted model and to its reference."""
+    edit(model)
+    edit(ref)
+
+
+def test_diffusers_block_edited_after_convert_runs_the_edit():
+    """After convert, a new nonlinearity was ignored (the fused norms kept their SiLU) and a hook
+    on it saw 1 call instead of 3: the block's forward now checks that the SiLU it fused is still
+    there, unhooked, and runs the unfused path if not."""
+    _diffusers()
+    from diffusers.models.resnet import ResnetBlock2D
+
+    torch.manual_seed(0)
+    ref = ResnetBlock2D(in_channels=8, temb_channels=16, groups=4).eval()
+    holder = nn.ModuleDict({"block": copy.deepcopy(ref)})
+    ct.convert(holder)
+    blk = holder["block"]
+    x, temb = torch.randn(2, 8, 6, 6), torch.randn(2, 16)
+    calls = {"mine": 0, "ref": 0}
+    for m, k in ((blk, "mine"), (ref, "ref")):
+        m.nonlinearity.register_forward_hook(lambda *a, k=k: calls.__setitem__(k, calls[k] + 1))
+    with torch.no_grad():
+        torch.testing.assert_close(blk(x, temb), ref(x, temb), atol=1e-5, rtol=1e-4)
+    assert calls["mine"] == calls["ref"] == 3
+    _edit_both(blk, ref, lambda m: setattr(m, "nonlinearity", nn.GELU()))
+    with torch.no_grad():
+        torch.testing.assert_close(blk(x, temb), ref(x, temb), atol=1e-5, rtol=1e-4)
+    _edit_both(blk, ref, lambda m: setattr(m, "nonlinearity", nn.SiLU()))  # a SiLU again, but not the fused one
+    with torch.no_grad():
+        torch.testing.assert_close(blk(x, temb), ref(x, temb), atol=1e-5, rtol=1e-4)
+
+
+def test_timm_groupnorm_act_edited_after_convert_runs_the_edit():
+    """`m.act = nn.ReLU()` after convert stacked the ReLU on the fused SiLU."""
+    _timm()
+    import timm.layers as L
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 1), L.GroupNormAct(16, num_groups=4, act_layer="silu"))
+    ref = copy.deepcopy(model)
+    ct.convert(model)
+    assert model[1].activation == "swish"
+    _edit_both(model[1], ref[1], lambda m: setattr(m, "act", nn.ReLU()))
+    _same_training_step(model, ref, torch.randn(2, 3, 5, 7))
+
+
+def test_a_global_module_hook_sees_the_unfused_outputs():
+    """A hook registered with register_module_forward_hook after convert saw the fused output
+    where it expected the GroupNorm's; global hooks now turn fusion off as local ones do."""
+    _diffusers()
+    from diffusers.models.resnet import ResnetBlock2D
+
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"seq": nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(4, 8), nn.SiLU()),
+                         "block": ResnetBlock2D(in_channels=8, temb_channels=16, groups=4)}).eval()
+    model = copy.deepcopy(ref)
+    ct.convert(model)
+    assert type(model["seq"][1]) is ct.GroupNormSwish and type(model["block"].norm1) is ct.GroupNormSwish
+
+    def run(m, x, temb):
+        return m["block"](m["seq"](x), temb)
+
+    x, temb = torch.randn(2, 3, 6, 6), torch.randn(2, 16)
+    edit = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o * 2 + 1 if isinstance(m, nn.GroupNorm) else None)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(run(model, x, temb), run(ref, x, temb), atol=1e-5, rtol=1e-4)
+    finally:
+        edit.remove()
+    with torch.no_grad():  # the hook gone, fused again
+        torch.testing.assert_close(run(model, x, temb), run(ref, x, temb), atol=1e-5, rtol=1e-4)
+
+
+def test_a_sequential_edited_after_convert_runs_the_edit():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(4, 8), nn.SiLU(), nn.Conv2d(8, 4, 1))
+    model = copy.deepcopy(ref)
+    ct.convert(model)
+    assert type(model[1]) is ct.GroupNormSwish and isinstance(model[2], nn.Identity)
+    _edit_both(model, ref, lambda m: m.__setitem__(2, nn.GELU()))
+    _same_training_step(model, ref, torch.randn(2, 3, 5, 5))
+    _edit_both(model, ref, lambda m: m.__setitem__(1, nn.BatchNorm2d(8)))  # the fused norm itself replaced
+    _same_training_step(model.eval(), ref.eval(), torch.randn(2, 3, 5, 5))
+
+
+class _Untraceable(nn.Module):
+    """A block torch.fx cannot trace (a branch on a tensor's value) that applies its SiLU to more
+    than the norm's output (`act(h) + h`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.act = nn.GroupNorm(2, 4), nn.SiLU()
+
+    def forward(self, x):
+        h = self.norm(x)
+        if h.sum() > 1e9:
+            h = h * 0
+        return self.act(h) + h
+
+
+def test_a_pattern_fused_on_trust_warns():
+    """A FusePattern whose block does not trace (nor reads as norm-then-act back to back in its
+    source) was fused with only a report line; it now warns."""
+    model = nn.Sequential(_Untraceable())
+    with pytest.warns(UserWarning, match=r"unverified.*0\.norm"):
+        report = ct.convert(model, patterns=[ct.FusePattern(_Untraceable, "norm", "act")])
+    assert "unverified" in {e.name: e for e in report.replaced}["0.norm"].reason
+
+
 def test_diffusers_unet2d_condition():
     _diffusers()
     ref = _tiny_unet()
     model = copy.deepcopy(ref)
     report = ct.convert(model)
     replaced, _ = _by_name(report)
-    assert type(model.conv_norm_out) is ct.GroupNormSwish and type(model.conv_act) is nn.Identity
+    assert type(model.conv_norm_out) is ct.GroupNormSwish and type(model.conv_act) is ct.SiLUPlaceholder
     assert replaced["conv_norm_out"].adapter == "diffusers.conv_norm_out+conv_act"
     blocks = report.counts()["ResnetBlock2D -> ckgen.torch._diffusers.ResnetBlock2D"]
     assert blocks == sum(1 for m in ref.modules() if type(m).__name__ == "ResnetBlock2D") == 8
@@ -567,7 +678,7 @@ def test_diffusers_autoencoder_kl(part):
     model = copy.deepcopy(ref)
     report = ct.convert(model)
     for coder in (model.encoder, model.decoder):
-        assert type(coder.conv_norm_out) is ct.GroupNormSwish and type(coder.conv_act) is nn.Identity
+        assert type(coder.conv_norm_out) is ct.GroupNormSwish and type(coder.conv_act) is ct.SiLUPlaceholder
     attn = model.decoder.mid_block.attentions[0]
     assert type(attn.group_norm) is ct.GroupNorm, "the attention block's GroupNorm (3-D tokens)"
     from diffusers.models.resnet import ResnetBlock2D

@@ -84,6 +84,47 @@ def test_a_bad_model_file_is_one_warning_and_the_nearest_tuned_fallback(tmp_path
         cm.CostModel.from_doc(doc)
 
 
+def test_a_fifo_or_a_device_as_model_file_is_one_warning_not_a_hang(tmp_path, monkeypatch, no_hang):
+    """CKGEN_MODEL naming a FIFO hung the first untuned call (the read waited for a writer);
+    /dev/zero was read without bound. Only a regular file of bounded size is read."""
+    import os
+
+    fifo = tmp_path / "model.json"
+    os.mkfifo(fifo)
+    for path in (str(fifo), "/dev/zero"):
+        monkeypatch.setenv("CKGEN_MODEL", path)
+        monkeypatch.setattr(store, "_warned", set())
+        with no_hang(5), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert store.load() is None
+        mine = [str(w.message) for w in caught if issubclass(w.category, cm.ModelWarning)]
+        assert len(mine) == 1 and "not a regular file" in mine[0], mine
+
+
+def test_model_fit_replaces_the_file_whole_or_not_at_all(tmp_path, monkeypatch):
+    """`python -m ckgen.model fit` wrote the model in place: a write that failed half way (a full
+    disk) left a cut file, where the model was before. It now writes a temp file and renames it."""
+    from ckgen.model import command
+
+    class Fitted:
+        def fit(self):
+            return self
+
+        def summary(self):
+            return "stub"
+
+    out = tmp_path / "model.json"
+    out.write_text('{"before": true}\n')
+    monkeypatch.setattr(command, "packaged_fit_data", lambda: Fitted())
+    monkeypatch.setattr(command, "dumps", lambda model: "{\"cut\": \"" + "x" * 100 + "\ud800\"}")  # fails half way
+    with pytest.raises(UnicodeEncodeError):
+        command.main(["fit", "--no-user", "--out", str(out)])
+    assert out.read_text() == '{"before": true}\n' and [p.name for p in tmp_path.iterdir()] == ["model.json"]
+    monkeypatch.setattr(command, "dumps", lambda model: '{"after": true}\n')
+    assert command.main(["fit", "--no-user", "--out", str(out)]) == 0
+    assert out.read_text() == '{"after": true}\n'
+
+
 def test_the_packaged_model_is_inside_the_bounds():
     """The bounds leave the fitted model far inside (so a refit does not trip over them)."""
     doc = _packaged()

@@ -213,23 +213,81 @@ def test_unquoted_yaml_date_is_read_as_iso_string(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ merge, filter, remove
 
 
-def test_merge_later_date_wins_and_distinct_idents_kept(tmp_path: Path) -> None:
+def test_merge_faster_wins_and_distinct_idents_kept(tmp_path: Path) -> None:
     path = tmp_path / "db.yaml"
     db.save_entries(path, [make(problem="a", date="2026-11-22T10:00:00+00:00", time_us=5.0),
                            make(problem="b", time_us=7.0)])
     older = make(problem="a", date="2026-01-01T00:00:00+00:00", time_us=9.0)
-    merged = db.save_entries(path, [older, make(problem="c")])
-    assert merged.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 5.0  # on disk is later
+    with pytest.warns(DBWarning, match="1 entry not saved"):
+        merged = db.save_entries(path, [older, make(problem="c")])
+    assert merged.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 5.0  # on disk is faster
     newer = make(problem="a", date="2026-12-01T00:00:00+00:00", time_us=3.0)
     db.save_entries(path, [newer])
     same_date = make(problem="b", time_us=6.0)
     db.save_entries(path, [same_date])
     d = InstanceDB.load(path)
     assert d.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 3.0
-    assert d.lookup("groupnorm_fwd", "sm_90", key("b")).time_us == 6.0  # equal date: new wins
+    assert d.lookup("groupnorm_fwd", "sm_90", key("b")).time_us == 6.0  # faster, same date
     assert sorted(e.problem for e in d.entries) == [key("a"), key("b"), key("c")]
-    db.save_entries(path, [make(problem="c", date=None, time_us=1.5)])  # no date: new wins
+    db.save_entries(path, [make(problem="c", date=None, time_us=1.5)])  # faster, no date
     assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("c")).time_us == 1.5
+
+
+def _verified(problem: str = "a", time_us: float = 12.5, date: str | None = None) -> Entry:
+    """An entry that holds for today's templates: the valid config nearest the default, as
+    rendered for sm_90."""
+    from ckgen.instance import render_instance
+    from ckgen.types import Target
+
+    op, target = get_op("groupnorm_fwd"), Target.named("sm_90")
+    prob = op.problem_from_key(key(problem))
+    cfg = op.space.nearest_default(lambda c: bool(op.validate(prob, c, target)))
+    inst = render_instance(op, prob, cfg, target)
+    e = make(problem=problem, time_us=time_us, date=date)
+    return Entry(**{**e.__dict__, "config": cfg.items, "instance": inst.name, "source_sha256": inst.sha256})
+
+
+def _ahead(hours: float, utc_offset_h: float = 0.0) -> str:
+    """An ISO date `hours` after now, written in the time zone UTC+`utc_offset_h`."""
+    import datetime as dt
+
+    when = dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=hours)
+    return when.astimezone(dt.timezone(dt.timedelta(hours=utc_offset_h))).isoformat(timespec="seconds")
+
+
+@pytest.mark.parametrize("stored_date", [
+    lambda: _ahead(2, -5),  # another machine's clock 2 h ahead, in another time zone
+    lambda: _ahead(24 * 365 * 70),  # far in the future
+    lambda: "yesterday",  # not ISO at all (sorts after every digit)
+], ids=["2h-ahead-other-zone", "future", "not-iso"])
+def test_a_fresh_faster_result_replaces_an_entry_whatever_its_date(tmp_path: Path, stored_date) -> None:
+    """The stored entry's date once outranked a fresh result: a date ahead of this machine's
+    clock, or text that sorts after digits, kept it for ever and the new winner was dropped."""
+    path = tmp_path / "db.yaml"
+    now, stored_date = _ahead(0), stored_date()
+    db.save_entries(path, [make(problem="a", date=stored_date, time_us=9.0),
+                           make(problem="b", date=stored_date, time_us=5.0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DBWarning)  # nothing dropped: nothing to report
+        db.save_entries(path, [make(problem="a", date=now, time_us=4.0)])
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 4.0
+    # Equally fast: a real date (not after now) outranks a future or unreadable one.
+    db.save_entries(path, [make(problem="b", date="2026-01-01T00:00:00+00:00", time_us=5.0)])
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("b")).date == "2026-01-01T00:00:00+00:00"
+
+
+def test_a_slower_result_is_not_saved_and_is_reported(tmp_path: Path) -> None:
+    """As `db merge` decides: a verified entry beats an unverified one, then the faster wins; an
+    entry a save did not keep is named in one DBWarning, never dropped in silence."""
+    path = tmp_path / "db.yaml"
+    db.save_entries(path, [make(problem="a", time_us=3.0), make(problem="b", time_us=3.0)])
+    with pytest.warns(DBWarning, match=r"not saved.*groupnorm_fwd sm_90 " + key("a").replace("=", ".")) as rec:
+        merged = db.save_entries(path, [make(problem="a", time_us=8.0, date="2026-12-01T00:00:00+00:00")])
+    assert len(rec) == 1 and "3 us" in str(rec[0].message)
+    assert merged.lookup("groupnorm_fwd", "sm_90", key("a")).time_us == 3.0
+    fresh = _verified(problem="b", time_us=8.0)  # slower, but holds for today's templates
+    db.save_entries(path, [fresh])
+    assert InstanceDB.load(path).lookup("groupnorm_fwd", "sm_90", key("b")) == fresh
 
 
 def test_filter_drops_with_one_warning() -> None:
@@ -394,6 +452,53 @@ def test_save_with_a_busy_lock_keeps_its_entries_in_a_side_file(tmp_path: Path, 
     assert db._side_files(path) == []
     assert {e["problem"] for e in yaml.safe_load(path.read_text())["entries"]} == {e.problem for e in merged}
     assert no_temp_files(tmp_path, {"db.yaml"})
+
+
+def _unusable_lock(lock: Path, kind: str, monkeypatch) -> None:
+    """Make `lock` a lock file filelock cannot open: a folder, a link (filelock refuses to
+    follow one), or a file of another user (simulated: the tests may run as root)."""
+    lock.unlink(missing_ok=True)
+    if kind == "folder":
+        lock.mkdir()
+    elif kind == "symlink":
+        lock.symlink_to(lock.parent / "elsewhere")
+    else:
+        import filelock
+
+        def denied(self, *args: object, **kw: object) -> None:
+            raise PermissionError(13, "Permission denied", str(self.lock_file))
+
+        monkeypatch.setattr(filelock.FileLock, "acquire", denied)
+
+
+@pytest.mark.parametrize("kind", ["folder", "symlink", "other-user"])
+def test_a_lock_file_that_cannot_be_opened_keeps_the_entries_in_a_side_file(tmp_path: Path, kind: str,
+                                                                            monkeypatch) -> None:
+    """A lock file that cannot be opened once raised out of the save: the tuned winner was lost.
+    It takes the lock timeout's path: a side file and one warning naming the lock and why."""
+    path = tmp_path / "db.yaml"
+    db.save_entries(path, [make(problem="a")])
+    _unusable_lock(tmp_path / "db.yaml.lock", kind, monkeypatch)
+    with pytest.warns(DBWarning) as rec:
+        view = db.save_entries(path, [make(problem="b")])
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    assert "db.yaml.lock" in msg and ("directory" in msg or "symbolic" in msg or "denied" in msg), msg
+    (side,) = db._side_files(path)
+    assert side.name in msg and InstanceDB.load(side).entries == (make(problem="b"),)
+    assert {e.problem for e in view} == {key("a"), key("b")}
+    assert {e.problem for e in InstanceDB.load(path)} == {key("a"), key("b")}
+
+
+def test_db_merge_with_an_unusable_lock_keeps_its_result_in_a_side_file(tmp_path: Path, capsys) -> None:
+    u, b = tmp_path / "u.yaml", tmp_path / "b.yaml"
+    db.save_entries(u, [make(problem="a")])
+    db.save_entries(b, [make(problem="b")])
+    _unusable_lock(tmp_path / "u.yaml.lock", "folder", None)
+    assert _merge(str(b), "-o", str(u)) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "u.yaml.lock" in err, err
+    assert len(db._side_files(u)) == 1 and {e.problem for e in InstanceDB.load(u)} == {key("a"), key("b")}
 
 
 def test_side_files_are_folded_by_remove_and_a_newer_main_entry_wins(tmp_path: Path, monkeypatch) -> None:
@@ -655,6 +760,25 @@ def test_db_merge_into_a_db_keeps_what_others_save_while_it_verifies(tmp_path: P
     assert {e.problem for e in InstanceDB.load(u)} == {key(n) for n in (1, 2, 3, 4, 10, 11, 12)}
 
 
+def test_db_merge_on_a_full_disk_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    """ENOSPC while `db merge` wrote its output ended in a traceback."""
+    import errno
+
+    out, b = tmp_path / "out.yaml", tmp_path / "b.yaml"
+    db.save_entries(out, [make(problem="a")])
+    db.save_entries(b, [make(problem="b")])
+    before = out.read_bytes()
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(db.os, "fsync", full)
+    assert _merge(str(b), "-o", str(out)) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"ckgen db merge: no space left on device writing {out}"], err
+    assert out.read_bytes() == before and no_temp_files(tmp_path, {"out.yaml", "b.yaml"})
+
+
 def test_db_merge_into_a_db_keeps_its_malformed_items(tmp_path: Path, capsys) -> None:
     u, b = tmp_path / "u.yaml", tmp_path / "b.yaml"
     bad = make(problem="bad").to_dict()
@@ -899,6 +1023,60 @@ def test_a_changed_or_corrupted_db_is_never_read_from_the_cache(tmp_path: Path) 
     assert len(InstanceDB.load(path)) == 160
 
 
+def _counting_dumps(monkeypatch) -> list[int]:
+    """How many DB items each yaml.dump call of the DB module represents (its cost)."""
+    dumped: list[int] = []
+    real = db.yaml.dump
+
+    def counting(data, *args, **kw):
+        dumped.append(len(data["entries"]) if isinstance(data, dict) else len(data))
+        return real(data, *args, **kw)
+
+    monkeypatch.setattr(db.yaml, "dump", counting)
+    return dumped
+
+
+def test_a_write_to_a_large_db_dumps_only_the_new_entries_and_refreshes_the_cache(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """A save of one entry into a 20,000-entry DB re-dumped every entry (7-20 s of CPU under the
+    lock), and the next process parsed the whole file again (~12 s): writers did not refresh the
+    parse cache. A write now re-uses the text of the entries the file holds and keeps what it
+    wrote in the parse cache; the file is byte for byte what a full dump writes."""
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    InstanceDB.load(path)  # parsed once, and cached
+    with monkeypatch.context() as m:
+        dumped = _counting_dumps(m)
+        m.setattr(db, "_parse", lambda *a: pytest.fail("parsed"))
+        new, changed = make(problem=500), make(problem=3, threads=128, vec_bytes=16, time_us=1.0)
+        db.save_entries(path, [new, changed])  # one new, one replaced
+        assert db.remove_entries(path, lambda e: e.problem == key(7)) == 1
+        merged, _, _ = db.merge_into(path, InstanceDB((make(problem=501),)), verified=lambda e: False)
+        loaded = InstanceDB.load(path)  # a later process: from the cache
+        assert sum(dumped) == 3, dumped  # the new entries, once each
+    assert new in loaded.entries and changed in loaded.entries and len(loaded) == 161
+    assert loaded.entries == merged.entries
+    assert path.read_text() == db._dump(loaded.entries)
+
+
+def test_a_write_keeps_a_hand_edited_db_exact(tmp_path: Path, monkeypatch) -> None:
+    """A file not in the form ckgen writes (edited by hand: another order, comments, malformed
+    items between entries) is dumped whole, as before."""
+    path = tmp_path / "db.yaml"
+    _big_db(path)
+    text = path.read_text()
+    first = text.index("\n- ") + 1
+    second = text.index("\n- ", first) + 1
+    edited = text[:first] + "- {op: nope}\n" + text[first:second] + "# a comment\n" + text[second:]
+    path.write_text(edited)
+    with pytest.warns(DBWarning):
+        InstanceDB.load(path)
+        db.save_entries(path, [make(problem=500)])
+    with pytest.warns(DBWarning):
+        loaded = InstanceDB.load(path)
+    assert len(loaded) == 161 and path.read_text() == db._dump(loaded.entries, [{"op": "nope"}])
+
+
 SPOILS = ["not json", "truncated", "deep", "wrong key", "nan time", "bad config", "unsorted config", "short column",
           "empty op", "skipped count", "directory", "int text", "count", "spread text", "config index", "config size",
           "provenance list", "keys not a list", "no columns", "row format"]
@@ -1018,10 +1196,13 @@ def test_the_cache_keeps_its_newest_files(tmp_path: Path, monkeypatch) -> None:
     assert len(_parsed_files()) == 3
 
 
-def test_saves_do_not_fill_the_cache(tmp_path: Path) -> None:
-    """A writer's read is of the file it replaces: not kept."""
+def test_writers_cache_what_they_write_not_what_they_replace(tmp_path: Path) -> None:
+    """A writer's read is of the file it replaces: not kept. What it writes is, for the next
+    reader."""
     path = tmp_path / "db.yaml"
     _big_db(path)
+    replaced = path.read_bytes()
     db.save_entries(path, [make(problem=500)])
     db.remove_entries(path, lambda e: e.problem == key(500))
-    assert _parsed_files() == []
+    names = {f.stem for f in _parsed_files()}
+    assert db._parsed_key(path.read_bytes()) in names and db._parsed_key(replaced) not in names

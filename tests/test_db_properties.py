@@ -109,16 +109,28 @@ def test_save_load_round_trip_is_exact_and_byte_stable(es):
 @given(saves=st.lists(st.lists(entries(op="groupnorm_fwd", arch="sm_90"), min_size=1, max_size=3), min_size=1,
                       max_size=5))
 def test_merge_rule_over_a_sequence_of_saves(saves):
-    """For each ident: the entry with the latest date wins; without dates, or with equal ones,
-    the later save wins."""
+    """For each ident: the verified entry wins, then the faster, then the later real date (none,
+    an unreadable or a future one ranks last); a full tie goes to the later save. Every new
+    entry that was not kept is reported."""
+    import warnings
+
     path = _fresh()
     want: dict = {}
+    now = dt.datetime.now(dt.timezone.utc).timestamp()
     for batch in saves:
-        db.save_entries(path, batch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", db.DBWarning)
+            db.save_entries(path, batch)
+        lost = []
         for e in batch:
             old = want.get(e.ident)
-            if old is None or db._newer_or_equal(e, old):
+            verified = db.entry_verified
+            if old is None or old == e or db._rank(e, verified(e), now) <= db._rank(old, verified(old), now):
                 want[e.ident] = e
+                lost = [x for x in lost if x.ident != e.ident]
+            else:
+                lost.append(e)
+        assert bool(lost) == any("not saved" in str(w.message) for w in caught)
     assert set(InstanceDB.load(path).entries) == set(want.values())
 
 

@@ -18,7 +18,15 @@ from ckgen.codegen import KernelSource
 from ckgen.ops.spec import Target
 
 SM90 = Target.named("sm_90")
-FAKE = b"\x7fELF-not-a-real-cubin"
+
+
+def _elf(body: bytes) -> bytes:
+    """A 64-bit ELF header without sections, then `body`: what the cache's check of a cubin's
+    structure accepts (a real cubin is not needed: nothing here loads it)."""
+    return b"\x7fELF\x02\x01\x01" + bytes(57) + body
+
+
+FAKE = _elf(b"not-a-real-cubin")
 
 
 def _src(name: str = "ckgen_test_kernel") -> KernelSource:
@@ -58,8 +66,8 @@ def _deny_reads(path: Path, monkeypatch) -> None:
     real_open = os.open
 
     def guarded(p, flags, *args, **kw):
-        try:
-            same = os.stat(p).st_ino == ino
+        try:  # that path's inode (a freed inode number is given to the next new file)
+            same = os.fspath(p) == os.fspath(path) and os.stat(p).st_ino == ino
         except OSError:
             same = False
         if same and not flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
@@ -158,3 +166,86 @@ def test_untuned_nhwc_pool_forward_dispatch_survives_an_unusable_cache(nvrtc, tm
     assert choice.source == "model" and nvrtc  # the spill check compiled (in memory)
     mine = [w for w in caught if issubclass(w.category, ckcompile.KernelCacheWarning)]
     assert len(mine) == 1
+
+
+# ------------------------------------------------------------------ entries that are not what their name says
+
+
+@pytest.fixture
+def per_source(monkeypatch):
+    """compile_offline replaced by a stub whose cubin names its source."""
+    calls = []
+
+    def fake(src, target):
+        calls.append(src.name)
+        return ckcompile.Binary(src.name, target.arch, _elf(src.sha256.encode()), "")
+
+    monkeypatch.setattr(ckcompile, "compile_offline", fake)
+    return calls
+
+
+def test_an_entry_is_used_only_for_the_source_it_was_compiled_from(per_source, cache):
+    """A cubin under another entry's name (a shared cache's writer swapping files, a copy) was
+    loaded for that name's kernel: entries are checked against the full source hash and their
+    bytes' hash, and one that fails is compiled again."""
+    a, b = _src("a"), _src("b")
+    ckcompile.ensure_cubin(a, SM90)
+    pa, pb = ckcompile.cubin_path(a, SM90.arch), ckcompile.cubin_path(b, SM90.arch)
+    pb.write_bytes(pa.read_bytes())  # a's cubin under b's name
+    assert ckcompile.cubin_bytes(b, SM90) == _elf(b.sha256.encode()) and per_source == ["a", "b"]
+    for f in pa.parent.iterdir():  # and a's record of it too
+        if f.name.startswith(pa.name):
+            f.with_name(f.name.replace(pa.name, pb.name)).write_bytes(f.read_bytes())
+    assert ckcompile.cubin_bytes(b, SM90) == _elf(b.sha256.encode()) and per_source == ["a", "b", "b"]
+    assert ckcompile.cubin_bytes(b, SM90) == _elf(b.sha256.encode()) and per_source == ["a", "b", "b"]  # a hit
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "not ELF"])
+def test_a_damaged_cubin_is_compiled_again(cache, damage, monkeypatch):
+    """An empty or cut cubin (written without fsync before the rename, then a crash) was used for
+    good. The entry's bytes are checked (their hash, and the ELF header and sections inside the
+    file), and a bad entry is compiled again and replaced."""
+    monkeypatch.setattr(ckcompile, "_warned", set(), raising=False)
+    src = _src()
+    real = ckcompile.compile_offline(src, SM90).cubin if ckcompile.nvrtc_missing() is None else None
+    if real is None:
+        pytest.skip("NVRTC is not available")
+    path = ckcompile.ensure_cubin(src, SM90)
+    whole = path.read_bytes()
+    path.write_bytes({"empty": b"", "truncated": whole[: len(whole) * 2 // 3], "not ELF": b"x" * len(whole)}[damage])
+    assert ckcompile.cubin_bytes(src, SM90) == whole
+    assert path.read_bytes() == whole
+
+
+def test_a_cut_cubin_fails_the_structure_check_alone():
+    """Without its record, a cubin cut anywhere past its header is still refused: its sections
+    or its section header table end beyond the file."""
+    src = KernelSource("k", "extern \"C\" __global__ void k(float* x) { x[threadIdx.x] = 1.f; }\n",
+                       hashlib.sha256(b"k").hexdigest(), "t.cu.j2")
+    if ckcompile.nvrtc_missing() is not None:
+        pytest.skip("NVRTC is not available")
+    whole = ckcompile.compile_offline(src, SM90).cubin
+    assert ckcompile.elf_whole(whole)
+    assert not any(ckcompile.elf_whole(whole[:n]) for n in range(0, len(whole) - 400, 97))
+
+
+def test_a_fifo_in_the_cache_does_not_hang(per_source, cache, no_hang):
+    """A FIFO where an entry (or its record) should be: reading it waited for a writer for ever."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    src = _src()
+    path = ckcompile.cubin_path(src, SM90.arch)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    with no_hang(5):
+        assert ckcompile.cubin_bytes(src, SM90) == _elf(src.sha256.encode())
+        assert ckcompile.compile_many([src], SM90, workers=1) == {}
+        assert ckcompile.ensure_cubin(src, SM90).read_bytes() == _elf(src.sha256.encode())
+
+
+def test_cubins_are_synced_before_the_rename(nvrtc, cache, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(ckcompile.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    ckcompile.ensure_cubin(_src(), SM90)
+    assert synced

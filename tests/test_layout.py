@@ -13,7 +13,7 @@ PKG = REPO / "ckgen"
 #: The package's layers, lowest first (docs/architecture.md, "Layers"). A module may import the
 #: modules of its own layer and of the layers below it, never one above; every module is in one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("core", ("ckgen._version", "ckgen.types", "ckgen.settings", "ckgen.resources", "ckgen.parsecache",
+    ("core", ("ckgen._version", "ckgen.types", "ckgen.settings", "ckgen.resources", "ckgen.files", "ckgen.parsecache",
               "ckgen.space", "ckgen.codegen", "ckgen.instance", "ckgen.ops")),
     ("model", ("ckgen.model",)),
     ("runtime", ("ckgen.runtime",)),

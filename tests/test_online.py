@@ -203,6 +203,20 @@ def test_budget_from_the_env_and_the_block(d, tuner, monkeypatch, env, block, wa
     assert [c[3:] for c in tuner.calls] == [want]
 
 
+@pytest.mark.parametrize("trials", ["99999999999999999999999", str(10**7)])
+def test_a_trial_count_beyond_any_space_is_refused(monkeypatch, trials) -> None:
+    """CKGEN_TUNE_TRIALS=99999999999999999999999 was taken (a number no search reaches, and
+    beyond the int sizes the tuner hands on)."""
+    from ckgen import settings
+
+    monkeypatch.setenv("CKGEN_TUNE_TRIALS", trials)
+    with pytest.raises(ValueError, match=r"\$CKGEN_TUNE_TRIALS: .*at most"):
+        settings.tune_trials()
+    with pytest.raises(ValueError, match="trials: .*at most"):
+        with ckgen.tuning(trials=int(trials)):
+            pass
+
+
 def test_nested_blocks_inherit_and_the_block_wins_over_the_env(d, tuner, monkeypatch) -> None:
     monkeypatch.setenv("CKGEN_TUNE", "1")
     monkeypatch.setenv("CKGEN_TUNE_TRIALS", "20")

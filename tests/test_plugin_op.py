@@ -63,6 +63,30 @@ def test_register_refuses_bad_ops(op, tmp_path) -> None:
         register(object())  # type: ignore[arg-type]
 
 
+def test_register_names_the_file_of_a_broken_space_or_template(op, tmp_path) -> None:
+    """A plug-in space that is not YAML gave the parser's raw error without the file's name, and
+    a template with a syntax error registered fine (and failed at the first render)."""
+    bad_space = tmp_path / "bad_space.yaml"
+    bad_space.write_text("op: chscale_bad\nparams: [unclosed\n")
+    bad_template = tmp_path / "bad.cu.j2"
+    bad_template.write_text("// {{ name }}\n{% if %}\n")
+
+    class BadSpace(type(op)):
+        name = "chscale_bad_space"
+        space_path = bad_space
+
+    class BadTemplate(type(op)):
+        name = "chscale_bad_template"
+        template = "bad.cu.j2"
+        template_dir = tmp_path
+
+    with pytest.raises(ValueError, match=f"{bad_space}.*not valid YAML.*line [0-9]+"):
+        register(BadSpace())
+    with pytest.raises(ValueError, match=r"bad\.cu\.j2.*line 2"):
+        register(BadTemplate())
+    assert {o.name for o in all_ops()}.isdisjoint({"chscale_bad_space", "chscale_bad_template"})
+
+
 def test_space_enumerates_and_validate_gives_reasons(op) -> None:
     configs = list(op.space.enumerate())
     assert len(configs) == 4 * 3 - 1  # threads x vec_bytes, less 512 x 16 (the constraint)

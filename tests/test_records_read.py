@@ -32,6 +32,70 @@ def test_a_deeply_nested_line_is_skipped_not_fatal(tmp_path):
     assert "line 2" in str(mine[0].message) and "nested" in str(mine[0].message)
 
 
+# ------------------------------------------------------------------ appends after a torn line
+
+
+def _problems(path) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", records.RecordsWarning)  # no malformed line left
+        return [r["problem"].split(",")[0] for r in records.read(path)]
+
+
+def test_an_append_after_a_torn_line_starts_a_fresh_line(tmp_path):
+    """An append cut by a full disk or a kill leaves a partial last line; the next append was
+    glued to it and both were skipped. The torn tail is cut back under the lock."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(_line(1) + "\n" + _line(2)[:40])
+    records.append(path, [json.loads(_line(3))])
+    assert _problems(path) == ["N=1", "N=3"]
+    assert path.read_text().endswith("\n")
+
+
+def test_an_append_after_a_whole_record_without_its_newline_keeps_it(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text(_line(1))  # cut just before its newline: the record is whole
+    records.append(path, [json.loads(_line(2))])
+    assert _problems(path) == ["N=1", "N=2"]
+
+
+# ------------------------------------------------------------------ files that are not records files
+
+
+def test_a_fifo_or_a_device_as_records_file_is_one_warning_not_a_hang(tmp_path, no_hang):
+    """A FIFO at the records path hung explain, calls and the model fit (read waited for a
+    writer); /dev/zero was read without bound. Only a regular file of bounded size is read."""
+    import os
+
+    fifo = tmp_path / "instances.records.jsonl"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/zero"):
+        with no_hang(5), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert records.read(path) == [] and records.read_cached(path) == []
+        mine = [str(w.message) for w in caught if issubclass(w.category, records.RecordsWarning)]
+        assert mine and "not a regular file" in mine[0], mine
+    with no_hang(5):  # an append does not wait for a reader either
+        try:
+            records.append(fifo, [json.loads(_line(1))])
+        except OSError as e:
+            assert "not a regular file" in str(e)
+
+
+def test_a_records_file_over_the_bound_is_not_read(tmp_path, monkeypatch):
+    import gzip
+
+    monkeypatch.setattr(records, "MAX_RECORDS_BYTES", 1000)
+    big = tmp_path / "big.jsonl"
+    big.write_text((_line(1) + "\n") * 10)
+    bomb = tmp_path / "bomb.jsonl.gz"
+    bomb.write_bytes(gzip.compress(((_line(1) + "\n") * 10).encode()))  # small, but over the bound unpacked
+    for path in (big, bomb):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert records.read(path) == []
+        assert any("over" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
 # ------------------------------------------------------------------ kernel_version
 
 

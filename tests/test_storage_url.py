@@ -142,3 +142,42 @@ def test_heartbeat_notices_stay_filtered_when_another_thread_restores_the_warnin
     assert left.is_set()
     experimental = [str(w.message) for w in got if issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
     assert experimental == []
+
+
+@pytest.mark.parametrize("url", [
+    f"postgresql+psycopg://bob@127.0.0.1:1/db?conninfo=password%3D{SECRET}",
+    f"postgresql+psycopg://bob@127.0.0.1:1/db?conninfo=password%3D{SECRET}%20sslmode%3Drequire",
+    f"postgresql+psycopg://bob@127.0.0.1:1/db?options=x&conninfo=host%3Dh+password%3d{SECRET}",
+])
+def test_a_percent_encoded_password_parameter_is_masked(inproc, url) -> None:
+    """`?conninfo=password%3D...` (psycopg reads it as the password) was printed in clear."""
+    from ckgen.tuner.storage_url import mask, shown
+
+    assert SECRET not in shown(url) and SECRET not in mask(url) and SECRET not in mask(f"at {url}: refused", url)
+    code, out, err = inproc("db", "pull", "--storage", url)
+    assert code == 2 and SECRET not in out + err, err
+
+
+@pytest.mark.parametrize("url", ["sqlite:///", "sqlite://", "sqlite:///:memory:"])
+def test_a_sqlite_storage_in_memory_is_refused(inproc, tmp_path, monkeypatch, url) -> None:
+    """`db pull --storage sqlite:///:memory:` said "no entries", exit 0, and left `:memory:.lock`
+    in the working folder: a storage in memory holds no studies and is gone with the command."""
+    monkeypatch.chdir(tmp_path)
+    for argv in (["db", "pull", "--storage", url], ["tune", "groupnorm_fwd", "--storage", url]):
+        code, out, err = inproc(*argv)
+        assert code == 2 and "--storage" in err and "in memory" in err and len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_db_pull_of_a_sqlite_file_that_is_no_study_storage_leaves_it_untouched(inproc, tmp_path) -> None:
+    """`db pull` on an existing SQLite file of something else added optuna's tables to it."""
+    import sqlite3
+
+    path = tmp_path / "other.sqlite3"
+    with sqlite3.connect(path) as con:
+        con.execute("CREATE TABLE notes (t TEXT)")
+    before = path.read_bytes()
+    code, out, err = inproc("db", "pull", "--storage", f"sqlite:///{path}", "--db", str(tmp_path / "db.yaml"))
+    assert code == 2 and "not an optuna study storage" in err and len(err.strip().splitlines()) == 1, err
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.sqlite3"]  # no lock files left either

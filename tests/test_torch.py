@@ -687,11 +687,11 @@ def test_convert_replaces_fuses_and_reports(route_cpu):
     text = str(report)
     rep = {e.name: e for e in report.replaced}
     left = {e.name: e for e in report.left}
-    assert type(model[1]) is ct.GroupNormSwish and type(model[2]) is nn.Identity
+    assert type(model[1]) is ct.GroupNormSwish and type(model[2]) is ct.SiLUPlaceholder
     assert rep["1"].result == "GroupNormSwish" and "consecutive in an nn.Sequential" in rep["1"].reason
     assert type(model[3]) is ct.MaxPool2d and model[3].indices == "recompute"
     assert type(model[4].norm1) is type(model[4].norm2) is ct.GroupNormSwish
-    assert type(model[4].act1) is type(model[4].act2) is nn.Identity
+    assert type(model[4].act1) is type(model[4].act2) is ct.SiLUPlaceholder
     assert "checked on the torch.fx trace" in rep["4.norm1"].reason
     assert type(model[5].norm) is ct.GroupNorm and type(model[5].act) is nn.SiLU
     assert "calls norm 1x and act 2x" in left["5.norm"].reason
@@ -1226,3 +1226,18 @@ def test_a_plane_beyond_the_kernels_indexing_is_a_fallback_not_an_error():
     small = torch.empty((1, 1, 64, 64), device="meta", dtype=torch.bfloat16)
     bad = dict(fields, kernel=(0, 2))  # an argument error stays the ckgen call's to raise
     assert ckops._not_served_problem("maxpool2d_fwd", small, bad) is None
+
+
+def test_group_norm_with_one_value_per_group_raises_as_pytorch_does(route_cpu):
+    """`ct.group_norm(x of (1, 6, 1, 1), 6)` returned beta where F.group_norm raises: each
+    group's statistics come from one value."""
+    x = torch.randn(1, 6, 1, 1)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        F.group_norm(x, 6)
+    for call in (lambda: ct.group_norm(x, 6, torch.ones(6), torch.arange(6.0)), lambda: ct.GroupNorm(6, 6)(x),
+                 lambda: ct.GroupNormSwish(6, 6)(x), lambda: ct.group_norm(x.view(1, 6, 1), 6)):
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+            call()
+    for ok in (torch.randn(2, 6, 1, 1), torch.randn(1, 6, 2, 1)):  # PyTorch's condition exactly
+        torch.testing.assert_close(ct.group_norm(ok, 6), F.group_norm(ok, 6))
+    torch.testing.assert_close(ct.group_norm(x, 3), F.group_norm(x, 3))

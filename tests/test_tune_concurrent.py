@@ -15,6 +15,7 @@ from ckgen.tuner import tune
 from ckgen.tuner.replay import ReplayEvaluator
 from ckgen.tuner.sampler import settled
 from ckgen.tuner.tune import StudyStorageError, Tuner, TuneRequest, open_storage, study_name
+from ckgen.types import Config
 from test_tune_search import OP, PROBLEM, SM90, synthetic, valid
 
 States = optuna.trial.TrialState
@@ -86,6 +87,29 @@ def test_a_dead_tuners_running_trial_is_recovered(tmp_path, monkeypatch):
     assert [(t.state, t.params) for t in retried] == [(States.COMPLETE, lost.as_dict())]  # optuna's retry callback
     assert {t.state for t in study.trials if t.number != dead.number} <= {States.COMPLETE}
     assert len(ev.calls) == 5  # the 6 configs less the one measured before
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_an_interrupted_search_leaves_no_trial_running(tmp_path, ahead):
+    """Ctrl-C during a measurement left that trial RUNNING (only the proposed, unmeasured ones
+    were failed), and `db pull` skipped the study until the same tune ran again. Every trial the
+    search holds is failed on the way out, however it ends."""
+    url = f"sqlite:///{tmp_path / 'studies.sqlite3'}"
+    calls = []
+
+    def interrupted(config):
+        calls.append(config)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return synthetic(config)
+
+    with pytest.raises(KeyboardInterrupt):
+        search(ReplayEvaluator(interrupted), trials=8, storage=url, seed=0, ahead=ahead)
+    study = optuna.load_study(study_name=study_name(OP, PROBLEM, SM90), storage=url)
+    states = [t.state for t in study.trials]
+    assert States.RUNNING not in states and states.count(States.COMPLETE) == 2
+    cut = next(t for t in study.trials if t.params and Config.of(t.params) == calls[2])
+    assert cut.state == States.FAIL and not settled(cut)  # proposable again: not a failure of the config
 
 
 def test_storage_errors_have_a_clear_message(tmp_path):

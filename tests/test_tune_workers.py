@@ -205,6 +205,32 @@ def test_total_timeout_ends_the_run_for_every_worker(tmp_path):
     assert report.seconds < 60
 
 
+def _joining(spec: wk.RunSpec) -> wk._Worker:
+    """A worker as far as joining its run: the spec, the device and the storage, nothing measured."""
+    from ckgen.runtime.target import DeviceInfo
+
+    w = object.__new__(wk._Worker)
+    w.spec, w.optuna, w.storage = spec, optuna, wk.tune.open_storage(spec.storage)
+    w.target, w.info = wtimes.SM90, DeviceInfo(wtimes.SM90, "replayed GPU", 132, 50 * 2**20)
+    return w
+
+
+def test_a_late_worker_of_the_same_command_joins_its_run(tmp_path):
+    """A worker that starts after --total-timeout has passed since its sibling made the run (a
+    busy CPU, a slow GPU start) must not take the expired run for a finished one and start a
+    second: a worker of the launch that made the run joins it however late it starts (and finds
+    no time left); another launch of the command after the deadline starts a new run."""
+    import time
+
+    spec = spec_for(f"sqlite:///{tmp_path / 's.sqlite3'}", tmp_path, "late", total_timeout=1)
+    launched = wk.launched(spec)
+    first, deadline = _joining(launched)._join()
+    time.sleep(1.2)  # past the run's deadline
+    late, late_deadline = _joining(launched)._join()
+    assert (late, late_deadline) == (first, deadline) and late_deadline < time.time()
+    assert _joining(wk.launched(spec))._join()[0] != first  # the same command again, later: a new run
+
+
 def test_one_worker_searches_as_one_process_and_builds_one_evaluator_per_problem(tmp_path):
     """`--workers 1` is `ckgen tune` in a process of its own: per problem, the same configs in the
     same order as a `tune.Tuner`'s search with the same budget (its seeds sized by the run's --trials, not by

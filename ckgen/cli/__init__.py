@@ -10,6 +10,7 @@ command, as the dispatcher layers them."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
@@ -38,28 +39,25 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 
 def printable(value: Any) -> str:
-    """`value` as text a terminal shows rather than obeys: every character that is not
-    printable (ESC sequences, newlines and carriage returns, C1 codes, bidi overrides, line
-    separators) as its backslash escape. DB strings come from other machines (`db pull`, `db
-    merge`): a table of them must not move the cursor, recolour or clear the screen, or fake
-    rows. Table and tsv cells only: json escapes them itself, and keeps them exact."""
-    text = str(value)
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    """`ckgen.types.printable`: DB strings come from other machines (`db pull`, `db merge`), and
+    a table of them must not move the cursor, recolour or clear the screen, or fake rows. Table
+    and tsv cells only: json escapes them itself, and keeps them exact."""
+    from ..types import printable as escaped
+
+    return escaped(value)
 
 
 # ------------------------------------------------------------------ option types (argparse)
 
 
-def _int_at_least(lo: int, what: str) -> Any:
+def _int_at_least(lo: int, what: str, hi: int | None = None) -> Any:
     def parse(text: str) -> int:
         try:
-            v = int(text)
+            v = int(text[:40])  # a longer text is no count (and int() of a huge one costs seconds)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
+        if v < lo or (hi is not None and v > hi) or len(text) > 40:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text[:40]}")
         return v
 
     parse.__name__ = what
@@ -67,6 +65,12 @@ def _int_at_least(lo: int, what: str) -> Any:
 
 
 _positive_int = _int_at_least(1, "a positive integer")
+
+
+def _trial_count(text: str) -> int:
+    from ..settings import MAX_TUNE_TRIALS
+
+    return _int_at_least(1, f"a positive integer, at most {MAX_TUNE_TRIALS:,}", MAX_TUNE_TRIALS)(text)
 _count = _int_at_least(0, "0 or more")
 
 
@@ -275,13 +279,15 @@ def _problems(op: Any, args: argparse.Namespace) -> list[Any]:
 def _check_storage(url: str | None, *, existing: bool = False) -> None:
     """--storage, checked before anything runs: a URL that cannot be a storage; a SQLite file in
     a folder that takes no new file (the file and its lock files go there; the lock would
-    otherwise be waited for in vain); with `existing` (`db pull` reads studies), a SQLite file
-    that is not there (optuna would create an empty one). Messages are masked (`_storage_error`)."""
+    otherwise be waited for in vain); a SQLite storage in memory; with `existing` (`db pull`
+    reads studies), a SQLite file that is not there (optuna would create an empty one) or that
+    is not an optuna storage (optuna would add its tables to it). Messages are masked
+    (`_storage_error`)."""
     if url is None:
         return
     from ..tuner import storage_url
     from ..runtime.db import folder_problem
-    from ..tuner.tune import storage_problem
+    from ..tuner.tune import sqlite_storage_problem, storage_problem
 
     try:
         why = storage_problem(url)
@@ -291,6 +297,8 @@ def _check_storage(url: str | None, *, existing: bool = False) -> None:
     if path is not None and existing and not path.is_file():
         why = (f"no study storage at {path}: the file does not exist" if not os.path.lexists(path)
                else f"{path} is not a regular file")
+    elif path is not None and existing:  # read, not written: optuna would add its tables to it
+        why = sqlite_storage_problem(path)
     elif path is not None:
         trouble = folder_problem(path.parent)
         why = f"{path} cannot be used: {trouble}" if trouble else None
@@ -303,6 +311,12 @@ def _storage_error(why: Any, url: str | None) -> UsageError:
     from ..tuner.storage_url import message
 
     return UsageError(f"--storage: {message(str(why), url)}")
+
+
+def _write_error(e: OSError, path: Path) -> UsageError:
+    """A DB write that failed (a full disk, a quota): one line naming the file."""
+    what = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e)).lower()
+    return UsageError(f"{what} writing {e.filename or path}")
 
 
 def _result_sheet(title: str, extra_cols: Sequence[Col] = ()) -> Sheet:
@@ -572,14 +586,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from ..runtime.dispatch import dispatcher
     from ..ops import get_op
     from ..runtime.target import gpu_status
-    from ..types import Target
+    from ..types import served
 
     op = get_op(args.op)  # argparse checked the name
     _check_problem_options(op, args)
     target = None
     if args.arch is not None:
         try:
-            target = Target.named(args.arch)
+            target = served(args.arch)
         except ValueError as e:
             raise UsageError(f"--arch: {str(e).removeprefix('target: ')}") from None
     problems = _problems(op, args)
@@ -695,7 +709,8 @@ def cmd_db_show(args: argparse.Namespace) -> int:
 def cmd_db_export(args: argparse.Namespace) -> int:
     from ..runtime import db as dbmod
 
-    dbmod.export_csv(_layers(args)[3], sys.stdout)
+    # to a terminal, DB text is shown, not obeyed (a pipe or file gets the exact CSV)
+    dbmod.export_csv(_layers(args)[3], sys.stdout, cell=printable if sys.stdout.isatty() else None)
     return 0
 
 
@@ -716,7 +731,10 @@ def cmd_db_pull(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - a driver's or optuna's own error, past the storage's opening
         raise _storage_error(f"{type(e).__name__}: {e}", args.storage) from None
     if pulled.entries:
-        dbmod.save_entries(path, pulled.entries)
+        try:
+            dbmod.save_entries(path, pulled.entries)
+        except OSError as e:  # a full disk: the DB is as it was; the studies still hold the winners
+            raise _write_error(e, path) from None
     sheet = Sheet("entries", f"pulled from {shown(args.storage)} ({plural(len(pulled.entries), 'entry', 'entries')})", (
         Col("op", ident=True), Col("arch", ident=True, fmt=printable), Col("device", fmt=printable),
         Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True, fmt=printable),
@@ -752,7 +770,12 @@ def cmd_db_merge(args: argparse.Namespace) -> int:
             raise UsageError(f"{name}: no such DB file")
         dbs.append(dbmod.InstanceDB.load(path))  # strict: a corrupt file is a DBError (exit 2)
     # Into what -o holds under its lock (as a save merges): entries saved meanwhile stay.
-    merged, held = dbmod.merge_into(out, *dbs)
+    try:
+        merged, held, side = dbmod.merge_into(out, *dbs)
+    except OSError as e:  # a full disk: the output is as it was
+        raise _write_error(e, out) from None
+    if side is not None:  # no lock: said in the warning, which names the side file
+        return 0
     console.print(f"wrote {plural(len(merged.entries), 'entry', 'entries')} to {out} (from "
                   f"{plural(sum(len(d.entries) for d in dbs), 'entry', 'entries')} in {plural(len(dbs), 'file')}"
                   + (f" and the {plural(held, 'entry', 'entries')} it held" if held else "") + ")", markup=False)
@@ -765,8 +788,7 @@ def cmd_db_where(args: argparse.Namespace) -> int:
     (a corrupt DB, a path that is a folder, a setting that does not parse) is reported in its
     row, and the others still are; the exit code is then 1."""
     from ..runtime import db as dbmod
-    from .. import settings
-    from ..resources import templates_dir, tuning_spaces_dir
+    from .. import resources, settings
 
     env = os.environ.get
     places = Sheet("places", "where ckgen reads and writes", (
@@ -804,9 +826,17 @@ def cmd_db_where(args: argparse.Namespace) -> int:
         return (str(p), origin, (plural(len(db.entries), "entry", "entries") if p.is_file() else missing)
                 + (f", {plural(len(side), 'pending side file')}" if side else ""))
 
+    def folder_state(folder: Path) -> str:
+        """A folder's row state; a file (or anything else) in its place makes the row unusable."""
+        if folder.is_dir():
+            return "exists"
+        if not os.path.lexists(folder):
+            return "not created yet"
+        raise UsageError(f"{folder} is not a folder")
+
     place("cache dir", lambda: (str(settings.cache_dir()),
                                 f"${settings.ENV_CACHE}" if env(settings.ENV_CACHE) else "the platform's user cache dir",
-                                "exists" if settings.cache_dir().is_dir() else "not created yet"))
+                                folder_state(settings.cache_dir())))
     user_origin = ("--db" if getattr(args, "db", None) else f"${settings.ENV_DB}" if env(settings.ENV_DB)
                    else "the cache dir")
     place("user DB", lambda: db_row(path, user_origin, user, user_error, "not created yet (no entries)"))
@@ -817,7 +847,7 @@ def cmd_db_where(args: argparse.Namespace) -> int:
                                      "exists" if studies.is_file() else "not created yet"))
     place("compiled kernels", lambda: (str(settings.kernel_cache_dir()), f"${settings.ENV_KERNEL_CACHE}"
                                        if os.environ.get(settings.ENV_KERNEL_CACHE) else "the cache dir",
-                                       "exists" if settings.kernel_cache_dir().is_dir() else "not created yet"))
+                                       folder_state(settings.kernel_cache_dir())))
     from .. import model as cost_model
     from ..model import records
 
@@ -833,8 +863,8 @@ def cmd_db_where(args: argparse.Namespace) -> int:
                                              "exists" if records.user_records_path().is_file() else "not created yet"))
     place("tuning records (shipped)", lambda: (str(records.packaged_records_path()), "the package",
                                                "exists" if records.packaged_records_path().is_file() else "missing"))
-    pkg = Path(__file__).resolve().parent
-    for what, folder in (("templates", templates_dir), ("tuning spaces", tuning_spaces_dir)):
+    pkg = Path(__file__).resolve().parent.parent  # the ckgen package (this is ckgen/cli/)
+    for what, folder in (("templates", resources.templates_dir), ("tuning spaces", resources.tuning_spaces_dir)):
         place(what, lambda folder=folder: (str(folder()), "the installed package" if pkg in folder().resolve().parents
                                            else "the checkout (beside the package)", ""))
 
@@ -885,14 +915,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
 
     from ..offline import library
-    from ..types import Target
+    from ..types import Target, served
 
     targets = [t.strip() for t in args.target.split(",") if t.strip()]
     if not targets:
         raise UsageError("--target: name at least one arch (e.g. sm_90)")
     for t in targets:
         try:
-            Target.named(t)
+            served(t)
         except ValueError as e:
             raise UsageError(f"--target: {str(e).removeprefix('target: ')}") from None
     ops = _ops_option(args.ops)
@@ -1162,7 +1192,7 @@ def _common(p: argparse.ArgumentParser, prog: str, fn: Any, *, fmt: bool = False
 
 
 def _search_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=_positive_int, default=40, help="measured candidates per problem (default: 40)")
+    p.add_argument("--trials", type=_trial_count, default=40, help="measured candidates per problem (default: 40)")
     p.add_argument("--timeout", type=_seconds, help="seconds per problem (default: no limit)")
     p.add_argument("--total-timeout", type=_seconds, help="seconds for the whole run (default: no limit)")
     p.add_argument("--storage", help="optuna storage URL (default: sqlite:///<cache dir>/studies.sqlite3; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import files
 from .fit import packaged_fit_data
 from .store import dumps, user_model_path
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     model = data.extended(user).fit() if user else data.fit()
     out = args.out or user_model_path()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(dumps(model))
+    # whole or not at all: a write cut half way (a full disk) must leave the model that was there
+    files.write_atomic(out, dumps(model).encode("utf-8"))
     print(f"wrote {out}: {model.summary()}")
     return 0

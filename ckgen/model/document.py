@@ -18,6 +18,9 @@ MAX_US = 1e4  # host times per call and launch floors
 MAX_NEED_BYTES = 1e12
 MAX_RESIDUAL = 20.0
 MAX_CORRECTION = 1e6
+# Bytes of a model file read at most: the packaged one is ~2.3 MB; a larger file (or /dev/zero
+# named by $CKGEN_MODEL) is not a model of ours and is not read without bound.
+MAX_MODEL_BYTES = 256 * 2**20
 
 
 class ModelError(ValueError):

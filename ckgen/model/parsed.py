@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .document import ModelError, _residuals_ok
+from .document import MAX_MODEL_BYTES, ModelError, _residuals_ok
 from .predictor import CostModel
 
 PARSED_FORMAT = "ckgen-costmodel-parsed"
@@ -129,7 +129,9 @@ class _PackedTables(Mapping):
     def _file_tables(self) -> dict[str, dict[str, Any]]:
         """The model file's residual tables (its bytes still those of the key), checked by from_doc."""
         try:
-            raw = self._path.read_bytes()
+            from .. import files
+
+            raw = files.read_regular(self._path, MAX_MODEL_BYTES)
             if _parsed_key(raw) != self._key:
                 raise ModelError("the file changed since it was read")
             tables = CostModel.from_doc(json.loads(raw.decode("utf-8"))).residuals

@@ -26,14 +26,18 @@ import datetime as _dt
 import gzip
 import importlib.resources
 import json
+import errno
 import math
 import os
+import stat
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import filelock
 
+from .. import files
 from ..ops import get_op
 from ..ops.spec import Config, OpSpec, Problem, Target
 
@@ -43,6 +47,9 @@ PHASES = ("trial", "final", "sweep", "winner", "default", "bench")
 # record of the shipped ckgen/data/records.jsonl.gz)
 SWEEP_SOURCE = "bench/results/sweeps/"
 LOCK_TIMEOUT_S = 60.0
+# Bytes of a records file read at most (and of a .gz one unpacked): a record takes ~400 bytes, so
+# over a million of them; a larger file (or /dev/zero at the path) is warned about, not read.
+MAX_RECORDS_BYTES = 512 * 2**20
 
 # The version of the kernels a record was timed with, in every record as "kernel_version". Raise
 # it when a template change alters what a config of the tuning spaces does (not merely how fast),
@@ -146,15 +153,14 @@ def read(path: Path | str) -> list[dict[str, Any]]:
     skipped with one RecordsWarning for the file."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = files.read_regular(path, MAX_RECORDS_BYTES)
+        if path.suffix == ".gz":
+            raw = _gunzip(path, raw)
     except FileNotFoundError:
         return []
-    if path.suffix == ".gz":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            warnings.warn(f"ckgen records {path}: not readable ({e}); not used", RecordsWarning, stacklevel=2)
-            return []
+    except (OSError, EOFError, zlib.error) as e:  # a FIFO, a device, too large, not gzip
+        warnings.warn(f"ckgen records {path}: not readable ({e}); not used", RecordsWarning, stacklevel=2)
+        return []
     out, bad, first = [], 0, ""
     for n, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
@@ -173,18 +179,63 @@ def read(path: Path | str) -> list[dict[str, Any]]:
     return out
 
 
+def _gunzip(path: Path, raw: bytes) -> bytes:
+    """`raw` gunzipped, at most MAX_RECORDS_BYTES of it (a small file can unpack to any size)."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    out = d.decompress(raw, MAX_RECORDS_BYTES)
+    if d.unconsumed_tail:
+        raise files.UnusableFile(f"{path} unpacks to over the {MAX_RECORDS_BYTES:,} bytes read at most")
+    if not d.eof:
+        raise EOFError("the gzip stream is cut short")
+    return out
+
+
 def append(path: Path | str, records: Iterable[dict[str, Any]]) -> None:
-    """Append records to a .jsonl file under its lock (concurrent tuners lose no line)."""
+    """Append records to a .jsonl file under its lock (concurrent tuners lose no line). The
+    appended lines always start a line of their own (`_mend_tail`). Only a regular file is
+    appended to (OSError otherwise): opening a FIFO for writing would wait for a reader."""
     lines = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records)
     if not lines:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     with filelock.FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S):
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(lines)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(path, flags, 0o666)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", str(path))
+            _mend_tail(fd)
+            data = memoryview(lines.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _mend_tail(fd: int) -> None:
+    """Make the file open at `fd` end with a newline (call under the lock). An append cut short
+    (a full disk, a kill) leaves a partial last line, and the next append would be glued to it:
+    both lines then fail to parse. A tail that is a whole record (cut just before its newline)
+    gets its newline; any other tail is cut back to the last newline."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start, step = size, 1 << 16
+    while start > 0:  # back to the byte after the last newline (the tail is one line: a few hundred bytes)
+        lo = max(0, start - step)
+        nl = os.pread(fd, start - lo, lo).rfind(b"\n")
+        if nl >= 0:
+            start = lo + nl + 1
+            break
+        start = lo
+    try:
+        _checked(json.loads(os.pread(fd, size - start, start)))
+    except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError):
+        os.ftruncate(fd, start)
+        return
+    os.write(fd, b"\n")
 
 
 def write_gz(path: Path | str, records: Iterable[dict[str, Any]]) -> None:

@@ -11,8 +11,9 @@ import threading
 import warnings
 from pathlib import Path
 
+from .. import files
 from ..settings import ENV_MODEL  # one place for every environment setting
-from .document import ModelError, ModelWarning
+from .document import MAX_MODEL_BYTES, ModelError, ModelWarning
 from .parsed import _parsed_get, _parsed_put
 from .predictor import CostModel
 
@@ -72,7 +73,7 @@ def load() -> CostModel | None:
         try:
             if key[1] < 0:
                 raise ModelError("the file is missing")
-            raw = path.read_bytes()
+            raw = files.read_regular(path, MAX_MODEL_BYTES)  # a FIFO named here would block a plain read
             model = _parsed_get(raw, path)
             if model is None:
                 doc = json.loads(raw.decode("utf-8"))

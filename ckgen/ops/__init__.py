@@ -36,10 +36,32 @@ def register(op: OpSpec, *, replace: bool = False) -> OpSpec:
     folder = Path(op.template_dir) if op.template_dir is not None else templates_dir()
     if not (folder / op.template).is_file():
         raise ValueError(f"register: {name}: no template {op.template!r} in {folder}")
-    op.space  # reads and checks the tuning space: a broken one fails here, not at the first pick
+    _check_template(op)
+    try:
+        op.space  # reads and checks the tuning space: a broken one fails here, not at the first pick
+    except ValueError as e:
+        raise ValueError(f"register: {name}: {e}") from None
     _REGISTRY[name] = op
     _plugin_template_dirs()
     return op
+
+
+def _check_template(op: OpSpec) -> None:
+    """The op's template compiles (Jinja's syntax), in the environment its renders use: a broken
+    one fails at register, naming the file and line, not at the first render. (What it includes
+    is compiled at the first render.)"""
+    from pathlib import Path
+
+    import jinja2
+
+    from ..codegen import environment
+
+    env = environment() if op.template_dir is None else environment(str(Path(op.template_dir).resolve()))
+    try:
+        env.get_template(op.template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"register: {op.name}: template {e.filename or op.template}, line {e.lineno}: "
+                         f"{e.message}") from None
 
 
 def unregister(name: str) -> None:

@@ -12,12 +12,21 @@
 The disk cache may be shared by several users: its files are created with the umask's mode (as
 the DB's are), an entry this process cannot read is compiled again (and replaced where it can
 be), and a cache folder that cannot take a cubin (a file in its place, read-only, a parent that
-cannot be created) costs one KernelCacheWarning: kernels are then compiled and used without it."""
+cannot be created) costs one KernelCacheWarning: kernels are then compiled and used without it.
+
+Each cubin has a record beside it (`<cubin>.sha256`: the full sha256 of the source it was
+compiled from, and of its own bytes). An entry is used only when its record names the source
+asked for and its bytes match, are a whole ELF file and are read as a regular file of at most
+MAX_CUBIN_BYTES; anything else (a cut or empty cubin, another entry's cubin under this name, a
+FIFO) is a miss, compiled again and replaced. Both files are fsynced before their rename. This
+catches damage and mix-ups, not malice: whoever can write a shared cache can write a matching
+pair, so every user of a shared cache runs the code its writers put there."""
 from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
 import contextlib
+import hashlib
 import multiprocessing as mp
 import os
 import secrets
@@ -36,6 +45,9 @@ from ..codegen import KernelSource
 from ..types import Target
 
 NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
+# A cubin read from the cache at most: ckgen's are tens of KB, so a larger file (or /dev/zero put
+# there) is not a cubin of ours and is not read without bound.
+MAX_CUBIN_BYTES = 64 * 2**20
 
 
 class CompileError(RuntimeError):
@@ -140,6 +152,40 @@ def cubin_path(src: KernelSource, arch: str) -> Path:
     return settings.kernel_cache_dir() / arch / f"{src.name}-{src.sha256[:12]}.cubin"
 
 
+def _record_path(path: Path) -> Path:
+    """The record of the cubin at `path`: the source's and the cubin's sha256."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _record(src: KernelSource, data: bytes) -> bytes:
+    return f"{src.sha256} {hashlib.sha256(data).hexdigest()}\n".encode()
+
+
+_SHT_NOBITS = 8  # a section that takes no bytes in the file (.bss-like)
+
+
+def elf_whole(data: bytes) -> bool:
+    """Is `data` a whole 64-bit little-endian ELF file: its header, its section header table and
+    every section with bytes inside it? A cubin cut short (or empty) is not: NVRTC's cubins end
+    with their section and program header tables."""
+    try:
+        if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+            return False
+        shoff = struct.unpack_from("<Q", data, 0x28)[0]
+        shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+        if shnum == 0:
+            return True
+        if shentsize < 64 or shoff + shentsize * shnum > len(data):
+            return False
+        for i in range(shnum):
+            kind, _, _, offset, size = struct.unpack_from("<IQQQQ", data, shoff + i * shentsize + 4)
+            if kind != _SHT_NOBITS and offset + size > len(data):
+                return False
+        return True
+    except struct.error:
+        return False
+
+
 class KernelCacheWarning(UserWarning):
     """The kernel cache folder cannot hold compiled kernels (not a folder, not writable, its parent
     cannot be created): kernels are compiled and used without it, in this process only."""
@@ -161,42 +207,55 @@ def _warn_unusable(folder: Path, e: OSError) -> None:
 
 
 
-def _store(path: Path, data: bytes) -> bool:
-    """Write `data` to `path` atomically (readers never see a partial cubin); False, with one
-    KernelCacheWarning per folder, where the cache cannot take it."""
-    tmp = None
+def _write_synced(path: Path, data: bytes) -> None:
+    """`data` into a temp file beside `path`, fsynced, then renamed onto it: readers never see a
+    partial file, and a crash after the rename cannot leave an empty or cut one."""
+    fd, tmp = parsecache.new_temp(path.parent, ".tmp-")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = parsecache.new_temp(path.parent, ".tmp-")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _store(path: Path, src: KernelSource, data: bytes) -> bool:
+    """Write the cubin `data` of `src` to `path`, then its record (each atomically, fsynced);
+    False, with one KernelCacheWarning per folder, where the cache cannot take it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_synced(path, data)
+        _write_synced(_record_path(path), _record(src, data))
+        with contextlib.suppress(OSError):  # the renames themselves (not possible everywhere)
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
         return True
     except OSError as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
         _warn_unusable(path.parent, e)
         return False
 
 
-def _read(path: Path) -> bytes | None:
-    """The cached cubin at `path`, or None for a miss: missing, or unreadable (another user's
-    private file, a folder in its place): such an entry is compiled again, not fatal."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
+def _read(path: Path, src: KernelSource) -> bytes | None:
+    """The cached cubin of `src` at `path`, or None for a miss: missing, unreadable (another
+    user's private file, a folder or FIFO in its place, over MAX_CUBIN_BYTES), or not the cubin
+    of `src` by its record, or damaged (its bytes' hash, a cut ELF). A miss is compiled again."""
+    data = parsecache.read_file(path, MAX_CUBIN_BYTES)
+    record = parsecache.read_file(_record_path(path), 1024) if data is not None else None
+    if record is None or record != _record(src, data) or not elf_whole(data):
         return None
+    return data
 
 
-def _cached(path: Path) -> bool:
-    """Is the cache entry at `path` there and readable (no read of its contents)?"""
-    try:
-        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)))
-    except OSError:
-        return False
-    return path.is_file()
+def _cached(path: Path, src: KernelSource) -> bool:
+    """Is the cache entry at `path` a usable cubin of `src` (`_read`)?"""
+    return _read(path, src) is not None
 
 
 def _fallback_path(path: Path, data: bytes) -> Path:
@@ -221,10 +280,10 @@ def cubin_bytes(src: KernelSource, target: Target) -> bytes:
     unreadable entry is a miss; a cache that cannot take the cubin gives one KernelCacheWarning
     and the bytes are returned all the same. Raises CompileError."""
     path = cubin_path(src, target.arch)
-    data = _read(path)
+    data = _read(path, src)
     if data is None:
         data = compile_offline(src, target).cubin
-        _store(path, data)
+        _store(path, src, data)
     return data
 
 
@@ -233,10 +292,10 @@ def ensure_cubin(src: KernelSource, target: Target) -> Path:
     the cached one, else (a cache that cannot take it: one KernelCacheWarning) a copy in this
     process's private folder. Raises CompileError."""
     path = cubin_path(src, target.arch)
-    if _cached(path):
+    if _cached(path, src):
         return path
     data = compile_offline(src, target).cubin
-    return path if _store(path, data) else _fallback_path(path, data)
+    return path if _store(path, src, data) else _fallback_path(path, data)
 
 
 def _worker(args: tuple[KernelSource, Target]) -> str | None:
@@ -344,7 +403,7 @@ def compile_many(sources: list[KernelSource], target: Target, workers: int | Non
     """Compile every source (deduplicated by hash) into the disk cache, in parallel (`pool`;
     `workers` sizes it if this makes it).
     Returns {instance name: compiler message} for those that failed; the rest are cached."""
-    todo = {s.sha256: s for s in sources if not _cached(cubin_path(s, target.arch))}
+    todo = {s.sha256: s for s in sources if not _cached(cubin_path(s, target.arch), s)}
     if not todo:
         return {}
     workers = workers or pool_size()

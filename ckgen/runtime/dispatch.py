@@ -28,6 +28,7 @@ from .. import settings
 from ..codegen import KernelSource
 from ..instance import render_instance
 from ..ops.spec import Config, OpSpec, Problem, Target
+from ..types import printable
 from . import db as dbmod
 
 log = logging.getLogger("ckgen")
@@ -48,7 +49,8 @@ class Choice:
     entry: Any = None  # the db.Entry it came from, if any
 
     def __str__(self) -> str:
-        return f"{self.op} {self.problem} -> {self.instance} [{self.source}] {self.reason}"
+        # the reason may quote DB text from other machines (a device name): shown, not obeyed
+        return printable(f"{self.op} {self.problem} -> {self.instance} [{self.source}] {self.reason}")
 
 
 class Dispatcher:

@@ -25,12 +25,13 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 from . import adapters, functional, ops
 from .adapters import Adapter, register_adapter, registered_adapters, unregister_adapter
-from .convert import OPS, ConvertReport, Entry, FusePattern, Site, convert
+from .convert import OPS, ConvertReport, ConvertWarning, Entry, FusePattern, Site, convert
 from .functional import avg_pool2d, group_norm, max_pool2d
-from .modules import AvgPool2d, GroupNorm, GroupNormAct, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
+from .modules import AvgPool2d, GroupNorm, GroupNormAct, GroupNormSwish, MaxPool2d, ReLUMaxPool2d, SiLUPlaceholder
 from .ops import DoubleBackwardError, fallbacks, reset_fallbacks
 
-__all__ = ["OPS", "Adapter", "AvgPool2d", "ConvertReport", "DoubleBackwardError", "Entry", "FusePattern",
-           "GroupNorm", "GroupNormAct", "GroupNormSwish", "MaxPool2d", "Site", "adapters", "avg_pool2d", "convert",
+__all__ = ["OPS", "Adapter", "AvgPool2d", "ConvertReport", "ConvertWarning", "DoubleBackwardError", "Entry",
+           "FusePattern", "GroupNorm", "GroupNormAct", "GroupNormSwish", "MaxPool2d", "SiLUPlaceholder", "Site",
+           "adapters", "avg_pool2d", "convert",
            "fallbacks", "functional", "group_norm", "max_pool2d", "ops", "ReLUMaxPool2d", "register_adapter",
            "registered_adapters", "reset_fallbacks", "unregister_adapter"]

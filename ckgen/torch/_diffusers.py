@@ -12,6 +12,12 @@ from diffusers.utils import deprecate
 
 from .modules import GroupNormSwish
 
+
+def _applies_silu(norm: torch.nn.Module) -> bool:
+    """Does `norm` apply the block's SiLU itself: a fused norm whose fusion still holds (the
+    nonlinearity convert fused is still there, unhooked: `Fusion.holds`)?"""
+    return isinstance(norm, GroupNormSwish) and norm.applies_activation()
+
 _SCALE_DEPRECATED = ("The `scale` argument is deprecated and will be ignored. Please remove it, as passing it will "
                      "raise an error in the future. `scale` should directly be passed while calling the underlying "
                      "pipeline component i.e., via `cross_attention_kwargs`.")
@@ -21,7 +27,9 @@ class ResnetBlock2D(_DiffusersResnetBlock2D):
     """diffusers' ResnetBlock2D whose norm1 (and, unless time_embedding_norm is "scale_shift",
     norm2) may be a ckgen GroupNormSwish: the SiLU then runs inside the GroupNorm kernels and the forward
     does not apply `nonlinearity` after it. Everything else is diffusers' forward (as of
-    diffusers 0.38-0.42): up/downsampling, the time embedding (through the shared
+    diffusers 0.38-0.42): a norm applies the SiLU only while its fusion holds (the
+    nonlinearity convert fused is still the block's, and no hooks are on either: `Fusion.holds`),
+    else the forward applies `nonlinearity` after it; up/downsampling, the time embedding (through the shared
     `nonlinearity` unless skip_time_act), "default" and "scale_shift" conditioning, dropout,
     conv_shortcut (its input made contiguous in training, as diffusers does) and
     output_scale_factor; a norm2 that is not fused (scale_shift, hooks) is followed by
@@ -32,8 +40,9 @@ class ResnetBlock2D(_DiffusersResnetBlock2D):
         if len(args) > 0 or kwargs.get("scale", None) is not None:
             deprecate("scale", "1.0.0", _SCALE_DEPRECATED)
 
+        fused1 = _applies_silu(self.norm1)
         hidden_states = self.norm1(input_tensor)
-        if not isinstance(self.norm1, GroupNormSwish):
+        if not fused1:
             hidden_states = self.nonlinearity(hidden_states)
 
         if self.upsample is not None:
@@ -58,8 +67,8 @@ class ResnetBlock2D(_DiffusersResnetBlock2D):
         if self.time_embedding_norm == "default":
             if temb is not None:
                 hidden_states = hidden_states + temb
+            fused2 = _applies_silu(self.norm2)
             hidden_states = self.norm2(hidden_states)
-            fused2 = isinstance(self.norm2, GroupNormSwish)
         elif self.time_embedding_norm == "scale_shift":
             if temb is None:
                 raise ValueError(
@@ -68,8 +77,8 @@ class ResnetBlock2D(_DiffusersResnetBlock2D):
             hidden_states = self.norm2(hidden_states)
             hidden_states = hidden_states * (1 + time_scale) + time_shift
         else:
+            fused2 = _applies_silu(self.norm2)
             hidden_states = self.norm2(hidden_states)
-            fused2 = isinstance(self.norm2, GroupNormSwish)
 
         if not fused2:
             hidden_states = self.nonlinearity(hidden_states)

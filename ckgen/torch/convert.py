@@ -20,19 +20,24 @@ full-size ReLU pass and its backward disappear (VGG's features, any conv-ReLU-po
 
 Fusion (op "groupnorm_swish"): a GroupNorm (or a GroupNorm equivalent an adapter names)
 directly followed by an nn.SiLU inside an nn.Sequential, a (norm, act) pair of a block named by
-a `FusePattern`, or a pair an adapter fuses, becomes a GroupNormSwish and the SiLU an
-nn.Identity: indices and attribute names stay, so the state_dict keys do not change.
+a `FusePattern`, or a pair an adapter fuses, becomes a GroupNormSwish and the SiLU a
+SiLUPlaceholder (an nn.Identity while the fusion holds): indices and attribute names stay, so the
+state_dict keys do not change. Each fused pair shares a `modules.Fusion`, asked at every call:
+when the model was edited after convert (another activation or norm in a slot, hooks on either
+module, global module hooks), the pair runs unfused, as it would have without convert.
 
 Never fused: a module used in more than one place; a pair where either module has forward,
 pre-forward or backward hooks (a forward hook on the GroupNorm would see the SiLU's output, a
 pre-hook on the max pool would run before the ReLU); a pair in an nn.Sequential that its owner's
 methods index, slice or iterate (`self.layers[0]`: the pair may not run back to back there);
 a pattern whose traced forward (torch.fx) shows the SiLU taking anything but the norm's output.
-The report says why. Replacement keeps the module's Parameter objects (an optimizer built before
+The report says why. A pattern whose block neither traces nor reads as norm-then-SiLU in its
+source is fused on the user's word, with a ConvertWarning. Replacement keeps the module's Parameter objects (an optimizer built before
 convert keeps working), buffers, training mode and hooks.
 """
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Union
@@ -43,11 +48,16 @@ from . import _source
 from . import adapters as _adapters
 from .adapters import Adapter
 from .functional import check_under_compile
-from .modules import AvgPool2d, GroupNorm, GroupNormAct, GroupNormSwish, MaxPool2d, ReLUMaxPool2d
+from .modules import (AvgPool2d, Fusion, GroupNorm, GroupNormAct, GroupNormSwish, MaxPool2d, ReLUMaxPool2d,
+                      fuse_placeholder, hooked)
 
 OPS = ("groupnorm", "groupnorm_swish", "maxpool2d", "avgpool2d", "relu_maxpool2d")
 _CKGEN = (GroupNorm, MaxPool2d, AvgPool2d)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+class ConvertWarning(UserWarning):
+    """convert() fused something it could not check (a FusePattern whose block neither traces
+    nor reads as norm-then-SiLU back to back): the user's word is all it has."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,8 @@ class FusePattern:
     """In every module matching `block` (a class, or a predicate on the module), the GroupNorm at
     attribute path `norm` is followed by the SiLU at `act`, and the SiLU is applied to nothing
     else: e.g. FusePattern(ResnetBlock, norm="norm1", act="act1"). The pair is checked on the
-    block's torch.fx trace when it traces; a block that does not trace is taken on trust."""
+    block's torch.fx trace when it traces, else on its source (`_source.back_to_back`); a block
+    that passes neither is fused on trust, with a ConvertWarning."""
 
     block: Union[type, Callable[[nn.Module], bool]]
     norm: str
@@ -108,14 +119,16 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def _set(model: nn.Module, path: str, new: nn.Module) -> None:
+def _slot(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """(the module holding the submodule at `path`, its name there)."""
     parent_path, _, leaf = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
+    return (model.get_submodule(parent_path) if parent_path else model), leaf
+
+
+def _set(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent, leaf = _slot(model, path)
     parent._modules[leaf] = new
 
-
-def _hooked(m: nn.Module) -> bool:
-    return any(getattr(m, h, None) for h in _HOOKS)
 
 
 def _fx_check(block: nn.Module, norm: str, act: str) -> Optional[str]:
@@ -175,14 +188,14 @@ class _Run:
         if self.uses[id(a)] > 1 or (dropped and self.uses[id(b)] > 1):
             return f"the {a_kind} or the {b_kind} is used in more than one place"
         for m, kind in ((a, a_kind), (b, b_kind)):
-            if _hooked(m):
+            if hooked(m):
                 return f"the {kind} has hooks (fused, they would see or run at another point)"
         return None
 
     def fuse_gn(self, path: str, gn: nn.Module, act_path: str, act: nn.Module, how: str, adapter: str = "",
                 drop_act: bool = True) -> bool:
-        """GroupNorm at `path` + SiLU at `act_path` -> GroupNormSwish (+ nn.Identity when
-        drop_act). Reports either way; True when fused."""
+        """GroupNorm at `path` + SiLU at `act_path` -> GroupNormSwish (+ a SiLUPlaceholder when
+        drop_act; else the SiLU stays and the norm's Fusion names it). Reports either way; True when fused."""
         if "groupnorm_swish" not in self.want:
             return False
         why = self.no_fuse.get(id(gn))
@@ -201,11 +214,17 @@ class _Run:
         _set(self.model, path, new_gn)
         self.report._add(True, path, gn, "GroupNormSwish", f"fused with the SiLU {act_path} ({how})", adapter or gn_by)
         self.done.update((id(gn), id(new_gn)))
+        # The pair is checked at every call (Fusion.holds): an edit of the model after convert
+        # (another activation, a replaced norm, hooks, global hooks) runs unfused, as it would
+        # have run without convert.
+        (norm_owner, norm_name), (act_owner, act_name) = _slot(self.model, path), _slot(self.model, act_path)
         if drop_act:
-            new_act = nn.Identity()
+            new_act = fuse_placeholder(new_gn, act_owner, act_name, norm_owner, norm_name)
             _set(self.model, act_path, new_act)
-            self.report._add(True, act_path, act, "Identity", f"fused into {path}", adapter)
+            self.report._add(True, act_path, act, type(new_act).__name__, f"fused into {path}", adapter)
             self.done.update((id(act), id(new_act)))
+        else:
+            new_gn.fusion = Fusion(norm_owner, norm_name, new_gn, act_owner, act_name, act)
         return True
 
     def fuse_relu_pool(self, relu_path: str, relu: nn.Module, pool_path: str, pool: nn.Module) -> None:
@@ -263,7 +282,7 @@ class Site:
 
     def fuse(self, norm: str, act: str, how: str = "") -> bool:
         """The GroupNorm at `norm` then the nn.SiLU at `act`, which the block's forward applies
-        back to back and to nothing else: a GroupNormSwish and an nn.Identity. True if fused."""
+        back to back and to nothing else: a GroupNormSwish and a SiLUPlaceholder. True if fused."""
         gn, a = self._get(norm), self._get(act)
         return self._run.fuse_gn(_join(self.path, norm), gn, _join(self.path, act), a,
                                  how or "adapter", self.adapter.name)
@@ -323,7 +342,7 @@ class Site:
                 why = f"drop ({type(m.drop).__name__}) runs between the norm and the SiLU"
             elif run.uses[id(m.act)] > 1:
                 why = "the SiLU is used in more than one place"
-            elif _hooked(m.act) or _hooked(m.drop):
+            elif hooked(m.act) or hooked(m.drop):
                 why = "the SiLU has hooks"
             else:
                 fuse = True
@@ -428,8 +447,18 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
             if check is not None and not check.startswith("unverified"):
                 report._add(False, pre + pat.norm, gn, "", f"pattern not fused: {check}")
                 continue
-            run.fuse_gn(pre + pat.norm, gn, pre + pat.act, act,
-                        "user pattern" + (f"; {check}" if check else ", checked on the torch.fx trace"))
+            how = "user pattern, checked on the torch.fx trace"
+            if check is not None and "." not in pat.norm + pat.act \
+                    and _source.back_to_back(type(m), pat.norm, pat.act) is None:
+                check, how = None, "user pattern, checked on the block's source (torch.fx cannot trace it)"
+            if check is not None:
+                how = f"user pattern; {check}, fused on trust"
+            if run.fuse_gn(pre + pat.norm, gn, pre + pat.act, act, how) and check is not None:
+                # Fused on the user's word alone: if the block uses the SiLU or the norm's output
+                # elsewhere, the model now computes something else. Say so where it is seen.
+                warnings.warn(f"ckgen.torch.convert: {check}; {pre + pat.norm} + {pre + pat.act} fused on trust: "
+                              f"check that {type(m).__name__}'s forward applies {pat.act} to {pat.norm}'s output "
+                              "and to nothing else", ConvertWarning, stacklevel=2)
 
     # 3. Module-by-module replacement (a module shared by several parents becomes one new module).
     memo: dict[int, nn.Module] = {}
@@ -509,4 +538,4 @@ def _left_reason(m: nn.Module, extra: tuple = ()) -> tuple[Optional[str], str]:
     return None, ""
 
 
-__all__ = ["Adapter", "ConvertReport", "Entry", "FusePattern", "OPS", "Site", "convert"]
+__all__ = ["Adapter", "ConvertReport", "ConvertWarning", "Entry", "FusePattern", "OPS", "Site", "convert"]

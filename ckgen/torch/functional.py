@@ -118,12 +118,27 @@ def _param_sig(t: Optional[Tensor]) -> Any:
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _one_value_per_group(x: Tensor, num_groups: int) -> None:
+    """ValueError where F.group_norm raises one: the whole batch holds one value per group (its
+    statistics are of that one value: the output would be beta). PyTorch's test and message."""
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1 or x.dim() < 2 \
+            or x.shape[1] % num_groups:
+        return  # another error, which the fallback to F.group_norm raises as PyTorch does
+    size = [x.shape[0] * x.shape[1] // num_groups, num_groups, *x.shape[2:]]
+    values = 1
+    for n in [size[0], *size[2:]]:
+        values *= n
+    if values == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+
+
 def _gn_call(x: Tensor, num_groups: int, weight: Optional[Tensor], bias: Optional[Tensor],
              activation: Optional[str]) -> eager.Call:
     """The checks of a GroupNorm call (`_cached`: keyed by x's and the parameters' shapes,
     strides, dtypes and devices, num_groups and activation)."""
 
     def make() -> eager.Call:
+        _one_value_per_group(x, num_groups)
         why = group_norm_why_not(x, num_groups, weight, bias, activation)
         fix = any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in (weight, bias))
         return eager.Call(why, groups=num_groups, act="swish" if activation == "swish" else "none", fix_params=fix,

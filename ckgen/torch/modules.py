@@ -11,9 +11,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _nn_module
 
 from . import functional as CF
 
+# The hooks that see or change what a module computes; a fused pair holds only while neither
+# module has one (a forward hook on the norm would see the SiLU's output, one on the SiLU would
+# not run).
+HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# torch's hooks on every module (`nn.modules.module.register_module_forward_hook`, ...): they see
+# each module's output, so they turn a fusion off as a module's own hooks do.
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
@@ -28,14 +37,58 @@ def _carry_over(old: nn.Module, new: nn.Module) -> nn.Module:
     return new
 
 
+def hooked(m: nn.Module) -> bool:
+    """Has `m` hooks that see or change what it computes (HOOKS)?"""
+    return any(getattr(m, h, None) for h in HOOKS)
+
+
+def global_hooks() -> bool:
+    """Are hooks registered for every module (torch's global module hooks)?"""
+    return any(getattr(_nn_module, h, None) for h in _GLOBAL_HOOKS)
+
+
+class Fusion:
+    """A GroupNorm fused with the SiLU after it, as `convert` made it: the norm (at `norm_name`
+    of `norm_owner`; None for a module that is its own norm, such as GroupNormAct) and the module
+    at `act_name` of `act_owner` (the SiLU's placeholder, or a SiLU kept because it also acts
+    elsewhere). A model can be edited after convert (a new activation, a replaced norm, hooks):
+    `holds()` says whether the pair is still what was fused, and the fused modules ask it at
+    every call, running the unfused computation when it is not. Plain attributes, not
+    submodules: the state_dict, the module tree and `.to()` do not see them; copies and pickles
+    keep the pairing (the memo maps each module once)."""
+
+    def __init__(self, norm_owner: Optional[nn.Module], norm_name: str, norm: Optional[nn.Module],
+                 act_owner: nn.Module, act_name: str, act: nn.Module) -> None:
+        self.norm_owner, self.norm_name, self.norm = norm_owner, norm_name, norm
+        self.act_owner, self.act_name, self.act = act_owner, act_name, act
+
+    def holds(self) -> bool:
+        """Both modules are where convert put them, neither has hooks, and no global hooks are set."""
+        if global_hooks():
+            return False
+        if self.norm is not None and (self.norm_owner._modules.get(self.norm_name) is not self.norm
+                                      or hooked(self.norm)):
+            return False
+        return self.act_owner._modules.get(self.act_name) is self.act and not hooked(self.act)
+
+
 class GroupNorm(nn.GroupNorm):
     """nn.GroupNorm(num_groups, num_channels, eps=1e-5, affine=True) running ckgen's GroupNorm
     forward and backward kernels (the backward saves x, gamma, mean and rstd)."""
 
     activation: Optional[str] = None
+    # Set on a norm fused with a SiLU of the model (convert, GroupNormAct): the activation runs
+    # only while the pairing holds.
+    fusion: Optional[Fusion] = None
+
+    def applies_activation(self) -> bool:
+        """Does this call apply `activation`: it has one, and it is not a fusion the model's
+        edits undid (`Fusion.holds`)?"""
+        return self.activation is not None and (self.fusion is None or self.fusion.holds())
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - nn's argument name
-        return CF.group_norm(input, self.num_groups, self.weight, self.bias, self.eps, activation=self.activation)
+        act = self.activation if self.applies_activation() else None
+        return CF.group_norm(input, self.num_groups, self.weight, self.bias, self.eps, activation=act)
 
     @classmethod
     def from_module(cls, m: nn.GroupNorm) -> "GroupNorm":
@@ -44,6 +97,30 @@ class GroupNorm(nn.GroupNorm):
             new = cls(m.num_groups, m.num_channels, m.eps, m.affine)
         new.weight, new.bias = m.weight, m.bias  # None with affine=False
         return _carry_over(m, new)
+
+
+class SiLUPlaceholder(nn.Identity):
+    """What `convert` puts where it took out a SiLU fused into the GroupNorm before it: passes its
+    input on while that fusion holds (`Fusion.holds`), and applies the SiLU itself when it does
+    not (global hooks, hooks on either module, the norm replaced), so the model computes what it
+    did before convert. Without a fusion it is an nn.Identity."""
+
+    fusion: Optional[Fusion] = None
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        if self.fusion is None or self.fusion.holds():
+            return input
+        return F.silu(input)
+
+
+def fuse_placeholder(norm: GroupNorm, owner: nn.Module, name: str, norm_owner: Optional[nn.Module] = None,
+                     norm_name: str = "") -> SiLUPlaceholder:
+    """A SiLUPlaceholder for the SiLU at `name` of `owner`, paired with `norm` (at `norm_name` of
+    `norm_owner`; None: the norm is the owner itself) by one Fusion. The caller puts it in place."""
+    placeholder = SiLUPlaceholder()
+    placeholder.fusion = norm.fusion = Fusion(norm_owner, norm_name, norm if norm_owner is not None else None,
+                                              owner, name, placeholder)
+    return placeholder
 
 
 class GroupNormSwish(GroupNorm):
@@ -61,7 +138,8 @@ class GroupNormSwish(GroupNorm):
 class GroupNormAct(GroupNorm):
     """GroupNorm, then `drop`, then `act` (modules): timm's GroupNormAct / GroupNorm1Act with
     ckgen's GroupNorm. With an nn.SiLU act and no drop (nn.Identity), the SiLU runs inside the
-    GroupNorm kernels (`activation="swish"`) and `act` is an nn.Identity; any other act (ReLU,
+    GroupNorm kernels (`activation="swish"`) and `act` is a SiLUPlaceholder (an nn.Identity while
+    the fusion holds: a new `act` or a hook afterwards turns it off); any other act (ReLU,
     GELU, ...) or drop runs as its own module after ckgen's GroupNorm. The attribute names
     (weight, bias, drop, act) are timm's, so the state_dict keys do not change."""
 
@@ -74,8 +152,13 @@ class GroupNormAct(GroupNorm):
         if fuse_swish:
             if type(self.act) not in (nn.SiLU, nn.Identity) or type(self.drop) is not nn.Identity:
                 raise ValueError("fuse_swish: needs an nn.SiLU act and no drop (nn.Identity)")
-            self.activation = "swish"
-            self.act = nn.Identity()
+            self._fuse()
+
+    def _fuse(self) -> None:
+        """The SiLU into the norm's kernels; `act` becomes its placeholder, so a later
+        `m.act = ...` (or a hook) runs as it would on timm's module."""
+        self.activation = "swish"
+        self.act = fuse_placeholder(self, self, "act")
 
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002
         return self.act(self.drop(super().forward(input)))
@@ -95,7 +178,7 @@ class GroupNormAct(GroupNorm):
         if fuse_swish:
             if type(m.act) is not nn.SiLU or type(m.drop) is not nn.Identity:
                 raise ValueError("fuse_swish: needs an nn.SiLU act and no drop (nn.Identity)")
-            new.activation, new.act = "swish", nn.Identity()
+            new._fuse()
         return _carry_over(m, new)
 
 
@@ -170,4 +253,5 @@ class AvgPool2d(nn.AvgPool2d):
         return _carry_over(m, new)
 
 
-__all__ = ["AvgPool2d", "GroupNorm", "GroupNormAct", "GroupNormSwish", "MaxPool2d", "ReLUMaxPool2d"]
+__all__ = ["AvgPool2d", "Fusion", "GroupNorm", "GroupNormAct", "GroupNormSwish", "MaxPool2d", "ReLUMaxPool2d",
+           "SiLUPlaceholder"]

@@ -96,8 +96,10 @@ def tuning(trials: int | None = None, max_seconds: float | None = None, *, enabl
     `math.inf`: no cap). `enabled=False` turns it off inside the block, `CKGEN_TUNE=1` or not.
     Thread-safe, nestable; yields the budget in effect (None when off)."""
     if trials is not None:
-        if isinstance(trials, bool) or not isinstance(trials, numbers.Integral) or trials < 1:
-            raise ValueError(f"trials: expected a positive int or None, got {trials!r}")
+        if isinstance(trials, bool) or not isinstance(trials, numbers.Integral) or \
+                not 1 <= trials <= settings.MAX_TUNE_TRIALS:
+            raise ValueError(f"trials: expected a positive int, at most {settings.MAX_TUNE_TRIALS:,}, or None, "
+                             f"got {trials!r}")
         trials = int(trials)
     if max_seconds is not None:
         if isinstance(max_seconds, bool) or not isinstance(max_seconds, numbers.Real) or not max_seconds > 0:

@@ -8,7 +8,8 @@ and one function, `mask`, does all of it for every message that can hold a URL:
 
   - the password of every `user:password@` (with a scheme or without one),
   - the value of every `password=` (also `passwd=`, `pwd=`, `sslpassword=`; URL query or
-    libpq key=value string) and every `'password': '...'` of a printed dict,
+    libpq key=value string; its "=" percent-encoded too, as in `?conninfo=password%3D...`) and
+    every `'password': '...'` of a printed dict,
   - and, when the URL is given, every occurrence of the passwords it holds, as written,
     percent-decoded and repr()-escaped (a password of fewer than MIN_SECRET characters only
     where it stands in one of the forms above: masking every "ab" of a message would make it
@@ -29,9 +30,11 @@ MAX_MESSAGE = 600  # characters of a storage message: the drivers' texts run to 
 # the last "@" before white space (a password may hold "@", "/" or ":" unencoded; masking a host
 # along with it is better than showing part of it). Not `scheme://user@`: no password there.
 _USERINFO = re.compile(r"(?P<pre>(?:[A-Za-z][A-Za-z0-9+.\-]*://)?[^\s:/@'\"]*):(?!//)(?P<pw>\S*)@")
-# `password=value` in a URL query or a libpq string (also `sslpassword=`, any key ending so): a
-# quoted value whole, else up to & # or space
-_PARAM = re.compile(r"(?i)(?P<pre>(?:password|passwd|pwd)\s*=\s*)"
+# `password=value` in a URL query or a libpq string (also `sslpassword=`, any key ending so), its
+# "=" also percent-encoded (`?conninfo=password%3D...`: psycopg decodes the parameter and reads a
+# password from it): a quoted value whole, else up to & # or space (an encoded value runs past
+# an encoded space: masking more than the password is better than showing part of it)
+_PARAM = re.compile(r"(?i)(?P<pre>(?:password|passwd|pwd)\s*(?:=|%3d)\s*)"
                     r"(?P<pw>'(?:[^'\\]|\\.)*'?|\"(?:[^\"\\]|\\.)*\"?|[^&#\s'\"]*)")
 # `'password': 'value'` of a printed mapping (connection arguments)
 _DICT = re.compile(r"(?i)(?P<pre>['\"]\w*(?:password|passwd|pwd)['\"]\s*:\s*)"
@@ -51,11 +54,12 @@ def _secrets(url: str) -> set[str]:
                 pw = userinfo.split(":", 1)[1]
                 found.add(pw)
                 found.update(pw.split("@"))  # SQLAlchemy reads `a:p@ss@h` as password p, host ss@h
-    for m in _PARAM.finditer(url):
-        found.add(m.group("pw").strip("'\""))
-        # the rest of the URL too: a password typed with an unencoded & # or space runs past the
-        # value the query syntax gives it
-        found.add(url[m.end("pre"):])
+    for text in (url, unquote_plus(url)):  # as typed, and as the driver decodes a parameter
+        for m in _PARAM.finditer(text):
+            found.add(m.group("pw").strip("'\""))
+            # the rest of the URL too: a password typed with an unencoded & # or space runs past
+            # the value the query syntax gives it
+            found.add(text[m.end("pre"):])
     try:
         from sqlalchemy.engine import make_url
 

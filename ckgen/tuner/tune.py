@@ -150,13 +150,37 @@ def storage_problem(url: str) -> str | None:
             hint = ("; pip install 'ckgen[postgres]' (psycopg 3) and name its driver: "
                     "postgresql+psycopg://user@host:5432/db")
         return f"the {u.get_backend_name()} driver for {url!r} is not installed ({e}){hint}"
-    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
+    if u.get_backend_name() == "sqlite" and (not u.database or u.database == ":memory:"
+                                             or "mode=memory" in u.database):
+        # gone when the command ends, shared with no worker, and `db pull` would read no study
+        # in it (and leave `:memory:.lock` behind)
+        return (f"{url!r} is a SQLite storage in memory, which holds no studies once the command ends; "
+                "name a file, e.g. sqlite:///studies.sqlite3")
+    if u.get_backend_name() == "sqlite":
         path = Path(u.database)
         if path.is_dir():
             return f"{path} is a directory; name a file, e.g. sqlite:///{path / 'studies.sqlite3'}"
         parent = next((p for p in path.parents if p.exists()), None)
         if parent is not None and not parent.is_dir():
             return f"{parent} is not a directory"
+    return None
+
+
+def sqlite_storage_problem(path: Path) -> str | None:
+    """Why the existing SQLite file at `path` is not an optuna study storage (None: it is one),
+    found by reading it only: optuna opening it would add its tables to any SQLite database."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        return f"{path} is not an optuna study storage (not a SQLite database: {e})"
+    if not {"studies", "trials", "version_info"} <= tables:
+        return f"{path} is not an optuna study storage (it has no optuna tables)"
     return None
 
 
@@ -172,11 +196,13 @@ def shown_url(url: Any) -> str:
         return url
 
 
-def open_storage(storage: Any) -> Any:
+def open_storage(storage: Any, *, existing: bool = False) -> Any:
     """An optuna storage for a URL: heartbeats on; for SQLite, a generous busy timeout, and the
     schema created under a file lock (concurrent first runs on a fresh file raced on it); for
-    PostgreSQL, under an advisory lock. Other
-    values (None: in memory, a storage object) are returned as they are."""
+    PostgreSQL, under an advisory lock. `existing`: a SQLite file known to hold optuna's schema
+    (`sqlite_storage_problem`, as `db pull` checks it), opened without that lock, so a reader
+    leaves no lock file beside it. Other values (None: in memory, a storage object) are
+    returned as they are."""
     quiet_heartbeat_notices()
     if not isinstance(storage, str):
         return storage
@@ -194,7 +220,7 @@ def open_storage(storage: Any) -> Any:
                 path = Path(storage[len("sqlite:///"):])
                 path.parent.mkdir(parents=True, exist_ok=True)
                 kw["engine_kwargs"] = {"connect_args": {"timeout": SQLITE_BUSY_S}}
-                with filelock.FileLock(f"{path}.lock", timeout=SQLITE_BUSY_S):
+                with contextlib.nullcontext() if existing else filelock.FileLock(f"{path}.lock", timeout=SQLITE_BUSY_S):
                     return optuna.storages.RDBStorage(storage, **kw)
             lock = claim_lock(storage, "ckgen schema")  # PostgreSQL: first runs race on the schema too
             with lock if isinstance(lock, _PgAdvisoryLock) else contextlib.nullcontext():
@@ -726,6 +752,18 @@ class Tuner:
         done, best = 0, math.inf
         in_flight: collections.deque[tuple[Any, Config]] = collections.deque()
         beat = trial_heartbeat(study)
+        # Every trial this search asked for and has not told yet, proposed, in flight or being
+        # measured: however the search ends (Ctrl-C, an error), none is left RUNNING, where
+        # `db pull` would skip its study until the same tune ran again.
+        held: dict[int, Any] = {}
+
+        def hold(trial: Any) -> None:
+            held[trial.number] = trial
+            beat.add(trial._trial_id)
+
+        def release(trial: Any) -> None:
+            held.pop(trial.number, None)
+            beat.remove(trial._trial_id)
 
         def drop(trial: Any, attr: str, value: Any) -> None:
             trial.set_user_attr(attr, value)
@@ -741,7 +779,7 @@ class Tuner:
                 if run is not None and not run.allow(study):  # the shared budget is spent
                     return None
                 trial = study.ask()
-                beat.add(trial._trial_id)
+                hold(trial)
                 cfg = Config.of({n: trial.suggest_categorical(n, choices[n]) for n in names})
                 if cfg not in valid_set:  # only an enqueued config from elsewhere can be invalid here
                     ok = op.validate(problem, cfg, target)
@@ -756,8 +794,8 @@ class Tuner:
                         return trial, cfg
                     reason = None
                 ev.pruned += 1
-                beat.remove(trial._trial_id)
                 drop(trial, "invalid" if reason else "duplicate_of", reason or twin)
+                release(trial)
             return None
 
         def time_left() -> bool:
@@ -792,14 +830,19 @@ class Tuner:
                     best = min(best, m.timing.median_us)
                     if self.record:
                         self.record(config, m.timing.median_us)
-                beat.remove(trial._trial_id)
+                release(trial)
                 done += 1
                 if self.on_trial:
                     self.on_trial(done, trials, best)
         finally:
             try:
-                for trial, _ in in_flight:  # proposed, never measured (time budget, or an error)
-                    drop(trial, "cancelled", True)
+                # proposed and never measured (the time budget), or cut short (Ctrl-C, an error):
+                # failed as cancelled, not for a reason, so their configs are proposed again
+                for trial in list(held.values()):
+                    try:
+                        drop(trial, "cancelled", True)
+                    except Exception:  # noqa: BLE001 - already told, or the storage is failing: its heartbeat stops
+                        pass
             finally:
                 beat.close()
         return study

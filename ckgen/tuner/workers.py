@@ -3,10 +3,12 @@ from one optuna storage; the same command on another machine with the same Postg
 
 - **A run** is what one command line starts (its op, problems, budgets, sampler and seed, per
   device kind): a record in the storage (a study named `ckgen-run|...`, user attr `current`) holds
-  its id and its deadline (`--total-timeout`). A worker of the same command joins the open run of
-  its device; a run is closed when every problem is done, and the same command after that starts a
-  new one (another `--trials` per problem, as a second `ckgen tune` does). A run whose workers all
-  died stays open: the same command finishes it.
+  its id, its deadline (`--total-timeout`) and the launch that made it. A worker of the same
+  command joins the open run of its device; a worker of the very launch that made the run joins
+  it however late it starts (past the deadline, or after the others closed it: it then finds
+  nothing left to do). A run is closed when every problem is done, and the same command after
+  that starts a new one (another `--trials` per problem, as a second `ckgen tune` does). A run
+  whose workers all died stays open: the same command finishes it.
 - **A problem is a study** (`tune.study_name`), shared by every worker on that device kind. Trials
   of the run carry the user attrs `run` and `worker`. The budget is the run's, not a worker's:
   `--trials` trials per problem in all (running, complete, or failed for a reason; a trial lost
@@ -97,12 +99,21 @@ class RunSpec:
     poll_s: float = 2.0  # how often an idle worker looks again
     heartbeat_s: float | None = None  # tune.HEARTBEAT_S / GRACE_S in the workers (tests shorten them)
     grace_s: float | None = None
+    # This command's launch (`launched`, by run_workers): its workers join the run it made however
+    # late each starts. Not part of the digest: the same command on another machine joins too.
+    launch: str = ""
 
     def digest(self) -> str:
         """Names the command: the same command on another machine joins the same run."""
         what = json.dumps([self.op, sorted(self.problems), self.trials, self.timeout, self.total_timeout,
                            self.sampler, self.seed], sort_keys=True)
         return hashlib.blake2b(what.encode(), digest_size=6).hexdigest()
+
+
+def launched(spec: RunSpec) -> RunSpec:
+    """`spec` for one launch of its command (a fresh `launch` id): what run_workers hands its
+    workers."""
+    return dataclasses.replace(spec, launch=uuid.uuid4().hex[:12])
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -287,11 +298,16 @@ class _Worker:
         with self._lock(name):
             cur = study.user_attrs.get("current")
             now = time.time()
+            if cur and self.spec.launch and cur.get("launch") == self.spec.launch:
+                # made by this worker's own command: joined however late this worker starts (a
+                # loaded machine, a slow GPU init), even past its deadline or closed: the run
+                # left finds nothing to do, where a new run would tune everything again
+                return cur["id"], cur.get("deadline")
             if cur and not cur.get("closed") and (cur.get("deadline") is None or now < cur["deadline"]):
                 return cur["id"], cur.get("deadline")
             new = {"id": uuid.uuid4().hex[:12], "created": now, "closed": False,
                    "deadline": now + self.spec.total_timeout if self.spec.total_timeout else None,
-                   "problems": len(self.spec.problems), "trials": self.spec.trials}
+                   "problems": len(self.spec.problems), "trials": self.spec.trials, "launch": self.spec.launch}
             study.set_user_attr("current", new)
             return new["id"], new["deadline"]
 
@@ -619,6 +635,7 @@ def run_workers(spec: RunSpec, workers: int, devices: list[str] | None = None,
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")
+    spec = spec if spec.launch else launched(spec)  # its workers join one run, whenever each starts
     infos = [WorkerInfo(i, devices[i % len(devices)] if devices else "") for i in range(workers)]
     procs, readers = [], {}
     t0 = time.monotonic()
@@ -779,14 +796,24 @@ def pull_entries(url: str) -> Pulled:
     """DB entries from the finished studies of a storage (`ckgen db pull`): per study of today's
     templates, the winner of its latest final round (`ckgen tune --workers`) if it has one, else its
     best complete trial (every complete trial passed verification). Provenance: the device (in the
-    entry's target), the worker's host, the trials, the date. Studies with trials still running,
-    of other template versions, or of unknown ops are skipped, with the reason; so is a study
-    whose data cannot make an entry (one study's bad data never stops the pull)."""
+    entry's target), the worker's host, the trials, the date. Running trials whose heartbeats
+    stopped for tune.GRACE_S (a tune cut short) are failed first (optuna's fail_stale_trials).
+    Studies with trials still running (live), without trials, of other template versions, or of
+    unknown ops are skipped, with the reason; so is a study whose data cannot make an entry (one
+    study's bad data never stops the pull)."""
     import optuna
 
     from ..codegen import templates_digest
 
-    storage = tune.open_storage(url)
+    from .storage_url import sqlite_path
+
+    path = sqlite_path(url)
+    if path is not None:  # read, never created nor given optuna's tables
+        why = tune.sqlite_storage_problem(path) if path.is_file() else f"no study storage at {path}"
+        if why:
+            raise tune.StudyStorageError(why)
+    # so a SQLite file holds optuna's schema: opened without the schema lock, leaving no lock file
+    storage = tune.open_storage(url, existing=True)
     digest = templates_digest()[:12]
     out = Pulled([], [])
     for name in sorted(optuna.get_all_study_names(storage)):
@@ -830,7 +857,22 @@ def _pull_study(storage: Any, name: str, digest: str, skipped: list[str]) -> Any
     study_id = storage.get_study_id_from_name(name)
     trials = storage.get_all_trials(study_id, deepcopy=False)
     if any(t.state == TrialState.RUNNING for t in trials):
-        skipped.append(f"{name}: trials still running")
+        # A tune cut short (Ctrl-C, a crash) leaves RUNNING trials whose heartbeats stop: failed
+        # as a tuner of the study would fail them (their configs are enqueued again), so the
+        # study is pulled now rather than after the same tune ran again.
+        import optuna
+
+        with warnings.catch_warnings():  # fail_stale_trials is "experimental" in optuna's words
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(optuna.load_study(study_name=name, storage=storage))
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        if running:
+            skipped.append(f"{name}: {running} trial(s) still running (their heartbeats are fresh: a tune at "
+                           "work); pull again when it ends")
+            return None
+    if not trials:
+        skipped.append(f"{name}: no trials yet")
         return None
     attrs = storage.get_study_user_attrs(study_id)
     finals = [v for k, v in attrs.items() if k.startswith("ckgen:") and k.endswith(":result")

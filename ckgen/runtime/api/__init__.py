@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...ops import get_op
-from ...types import Target
+from ...types import served
 from ..dispatch import Choice, dispatcher
 from . import groupnorm, pooling
 from .groupnorm import groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, groupnorm_fwd
@@ -44,6 +44,9 @@ def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
         except NoGPUError as e:  # offline, a problem is explained for a named arch
             raise NoGPUError(f'{e}; to explain a problem without a GPU, pass arch= (e.g. arch="sm_90")') from None
     else:
-        target = Target.named(arch)
+        try:
+            target = served(arch)
+        except ValueError as e:
+            raise ValueError(f"arch: {str(e).removeprefix('target: ')}") from None
     problem = op.parse_problem(**kwargs)
     return dispatcher().choose(op, problem, target)[0]

@@ -21,7 +21,7 @@ from ckgen.torch import ops as O  # noqa: E402
 
 CL = torch.channels_last
 FORMATS = {"nchw": torch.contiguous_format, "nhwc": CL}
-OP_NAMES = ["groupnorm_fwd", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta", "maxpool2d_fwd",
+OP_NAMES = ["groupnorm_fwd", "groupnorm_fwd_fused", "groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta", "maxpool2d_fwd",
             "maxpool2d_fwd_with_indices", "maxpool2d_bwd", "avgpool2d_fwd", "avgpool2d_bwd"]
 
 
@@ -303,6 +303,11 @@ def test_opcheck_every_op(layout):
     calls.append(("maxpool2d_fwd_with_indices", (x2, [3, 3], [2, 2], [1, 1], [1, 1], False)))
     calls.append(("maxpool2d_fwd", (x2, [2, 3], [1, 2], [1, 0], [1, 1], True)))
     calls.append(("avgpool2d_fwd", (x2, [3, 3], [2, 2], [1, 1], True, True, None)))
+    xf = x.detach().clone().requires_grad_(True)
+    r = torch.randn_like(xf).requires_grad_(True)
+    bn = torch.randn(2, 8).requires_grad_(True)
+    calls.append(("groupnorm_fwd_fused", (xf, torch.ones(8, requires_grad=True), torch.zeros(8), 4, 1e-5,
+                                          "gelu_tanh", r, bn)))
     seen = set()
     for name, args in calls:
         res = torch.library.opcheck(getattr(torch.ops.ckgen, name).default, args)
@@ -314,6 +319,50 @@ def test_opcheck_every_op(layout):
 # ---------------------------------------------------------------------------------------------
 # autograd: gradcheck in float64 (the CPU kernels take float64) and against PyTorch's autograd
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("act", ["none", "swish", "relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("res,bias", [(True, False), (False, True), (True, True)])
+def test_groupnorm_fused_gradcheck_and_matches_the_pytorch_code(layout, act, res, bias):
+    """ckgen::groupnorm_fwd_fused's value and gradients (its composed backward) against the
+    PyTorch code it replaces, and gradcheck in float64."""
+    x = _x((2, 6, 4, 5), torch.float64, layout).requires_grad_(True)
+    g = (1 + 0.3 * torch.randn(6, dtype=torch.float64)).requires_grad_(True)
+    b = (0.3 * torch.randn(6, dtype=torch.float64)).requires_grad_(True)
+    r = torch.randn(2, 6, 4, 5, dtype=torch.float64).contiguous(memory_format=FORMATS[layout]).requires_grad_(res)
+    bn = torch.randn(2, 6, dtype=torch.float64).requires_grad_(bias)
+    rr, bb = (r if res else None), (bn if bias else None)
+    ins = tuple(t for t in (x, g, b, rr, bb) if t is not None)
+
+    def ours(*ts):
+        it = iter(ts)
+        xx, gg, be = next(it), next(it), next(it)
+        return O.groupnorm_fwd_fused(xx, gg, be, 3, 1e-5, act, next(it) if res else None, next(it) if bias else None)[0]
+
+    def theirs(*ts):
+        it = iter(ts)
+        xx, gg, be = next(it), next(it), next(it)
+        rr2, bb2 = (next(it) if res else None), (next(it) if bias else None)
+        h = xx + bb2[:, :, None, None] if bb2 is not None else xx
+        y = torch.nn.functional.group_norm(h, 3, gg, be, 1e-5)
+        return O._FUSED_ACTS[act](y + rr2 if rr2 is not None else y)
+
+    assert torch.autograd.gradcheck(ours, ins)
+    torch.testing.assert_close(ours(*ins), theirs(*ins))
+    dy = torch.randn(2, 6, 4, 5, dtype=torch.float64)
+    for a, b2 in zip(torch.autograd.grad(ours(*ins), ins, dy), torch.autograd.grad(theirs(*ins), ins, dy)):
+        torch.testing.assert_close(a, b2, atol=1e-6, rtol=1e-5)  # mean/rstd are float32 outputs
+
+
+def test_groupnorm_fused_refuses_what_it_cannot_take():
+    x = _x((2, 6, 4, 5))
+    with pytest.raises(ValueError, match="activation"):
+        O.groupnorm_fwd_fused(x, None, None, 3, 1e-5, "tanh")
+    with pytest.raises(ValueError, match="residual"):
+        O.groupnorm_fwd_fused(x, None, None, 3, 1e-5, "relu", x[:, :, :2])
+    with pytest.raises(ValueError, match="bias_nc"):
+        O.groupnorm_fwd_fused(x, None, None, 3, 1e-5, "relu", None, torch.zeros(2, 5))
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("act", ["none", "swish"])
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, False)])

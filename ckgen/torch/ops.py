@@ -3,6 +3,10 @@
 Every op mirrors the ckgen function of the same name (argument order, defaults, outputs):
 
     ckgen::groupnorm_fwd(x, gamma?, beta?, groups, eps=1e-5, activation="none") -> (y, mean, rstd)
+    ckgen::groupnorm_fwd_fused(x, gamma?, beta?, groups, eps=1e-5, activation="none", residual?=None,
+        bias_nc?=None) -> (y, mean, rstd): act(GN(x + bias_nc[n, c]) * gamma + beta + residual), activation
+        none, swish, relu, gelu or gelu_tanh; its backward is composed (the activation's derivative,
+        then groupnorm_bwd)
     ckgen::groupnorm_bwd(dy, x, mean, rstd, gamma?, groups, beta?=None, activation="none") -> (dx, dgamma, dbeta)
     ckgen::groupnorm_bwd_data(dy, x, mean, rstd, gamma?, groups, beta?=None, activation="none") -> dx
     ckgen::groupnorm_bwd_gamma_beta(dy, x, mean, rstd, groups, gamma?=None, beta?=None, activation="none")
@@ -521,6 +525,90 @@ def _(x, gamma, beta, groups, eps=1e-5, activation="none"):
             x.new_empty((N, groups), dtype=torch.float32))
 
 
+# The fusion menu: act(GN(x + bias_nc[n, c]) * gamma + beta + residual) in one kernel
+_FUSED_ACTS = {"none": lambda t: t, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+               "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+
+
+def _fused_act(activation: str):
+    f = _FUSED_ACTS.get(activation)
+    if f is None:
+        raise ValueError(f"activation: expected one of {', '.join(map(repr, _FUSED_ACTS))}, got {activation!r}")
+    return f
+
+
+def _fused_args(x: Tensor, residual: Optional[Tensor], bias_nc: Optional[Tensor]):
+    """x dense, the residual in x's layout, the bias (N, C) contiguous; shapes checked."""
+    x = dense(x)
+    if residual is not None:
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"residual: expected shape {tuple(x.shape)} (x's), got {tuple(residual.shape)}")
+        residual = like(residual, x)
+    if bias_nc is not None:
+        if tuple(bias_nc.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"bias_nc: expected shape {tuple(x.shape[:2])} (x's N and C), got {tuple(bias_nc.shape)}")
+        bias_nc = bias_nc.contiguous()
+    return x, residual, bias_nc
+
+
+def ref_groupnorm_fwd_fused(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int, eps: float,
+                            activation: str, residual: Optional[Tensor],
+                            bias_nc: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    x, residual, bias_nc = _fused_args(x, residual, bias_nc)
+    act = _fused_act(activation)
+    acc = _acc(x)
+    h = x.to(acc) + bias_nc.to(acc)[:, :, None, None] if bias_nc is not None else x.to(acc)
+    N, C, H, W = x.shape
+    hg = h.reshape(N, groups, -1)
+    mean = hg.mean(-1)
+    rstd = torch.rsqrt(hg.var(-1, unbiased=False) + eps)
+    y = ((hg - mean[..., None]) * rstd[..., None]).reshape(N, C, H, W)
+    if gamma is not None:
+        y = y * gamma.to(acc).reshape(1, C, 1, 1)
+    if beta is not None:
+        y = y + beta.to(acc).reshape(1, C, 1, 1)
+    if residual is not None:
+        y = y + residual.to(acc)
+    return _like_x(act(y), x), mean.float().contiguous(), rstd.float().contiguous()
+
+
+def cuda_groupnorm_fwd_fused(x: Tensor, gamma: Optional[Tensor], beta: Optional[Tensor], groups: int,
+                             eps: float = 1e-5, activation: str = "none", residual: Optional[Tensor] = None,
+                             bias_nc: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """ckgen::groupnorm_fwd_fused on CUDA tensors: one ckgen kernel (slice_in=lean), or where no
+    kernel holds the tile the plain kernel with PyTorch's add and activation (ckgen.groupnorm_fwd
+    does that); PyTorch's computation where ckgen cannot use the GPU."""
+    x, residual, bias_nc = _fused_args(x, residual, bias_nc)
+    gamma, beta = _vec(gamma), _vec(beta)
+    _fused_act(activation)
+    why = _not_served("groupnorm_fwd", x, G=groups, activation="none")
+    if why:
+        note_fallback("ckgen::groupnorm_fwd_fused", why)
+        return ref_groupnorm_fwd_fused(x, gamma, beta, groups, eps, activation, residual, bias_nc)
+    import ckgen
+
+    return ckgen.groupnorm_fwd(x, gamma, beta, groups, eps=eps, activation=None if activation == "none" else activation,
+                               residual=residual, bias_nc=bias_nc)
+
+
+groupnorm_fwd_fused = _Op("ckgen::groupnorm_fwd_fused", cuda_groupnorm_fwd_fused)
+
+
+@groupnorm_fwd_fused.register_kernel("cpu")
+def _(x, gamma, beta, groups, eps=1e-5, activation="none", residual=None, bias_nc=None):
+    return ref_groupnorm_fwd_fused(x, gamma, beta, groups, eps, activation, residual, bias_nc)
+
+
+@groupnorm_fwd_fused.register_fake
+def _(x, gamma, beta, groups, eps=1e-5, activation="none", residual=None, bias_nc=None):
+    x, residual, bias_nc = _fused_args(x, residual, bias_nc)
+    _check_groups(x, groups)
+    _fused_act(activation)
+    N = x.shape[0]
+    return (torch.empty_like(x), x.new_empty((N, groups), dtype=torch.float32),
+            x.new_empty((N, groups), dtype=torch.float32))
+
+
 def _gn_bwd_args(dy, x, mean, rstd, gamma, beta):
     """The backward ops' tensors as ckgen reads them: x dense, dy in x's layout, vectors contiguous."""
     x = dense(x)
@@ -823,6 +911,53 @@ def _gn_backward(ctx, dy, _dmean, _drstd):
 groupnorm_fwd.register_autograd(_gn_backward, setup_context=_gn_setup)
 
 
+def _gn_fused_setup(ctx, inputs, output):
+    x, gamma, beta, groups = inputs[:4]
+    activation = inputs[5] if len(inputs) > 5 else "none"
+    residual = inputs[6] if len(inputs) > 6 else None
+    bias_nc = inputs[7] if len(inputs) > 7 else None
+    _, mean, rstd = output
+    ctx.groups, ctx.activation = groups, activation
+    ctx.has_residual = residual is not None
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, gamma, beta, residual if activation != "none" else None, bias_nc, mean, rstd)
+
+
+def _gn_fused_backward(ctx, dy, _dmean, _drstd):
+    """The fused forward's gradients, composed (the backward kernels fuse none of relu, gelu,
+    the residual or the bias yet): the activation's derivative at z = GN(h) * gamma + beta + r
+    (z recomputed from the saved inputs, h = x + bias), then GroupNorm's backward kernel at h;
+    d residual = dz, d bias[n, c] = the sum of dh over H, W."""
+    x, gamma, beta, residual, bias_nc, mean, rstd = ctx.saved_tensors
+    x, residual, bias_nc = _fused_args(x, residual, bias_nc)
+    h = x + bias_nc[:, :, None, None].to(x.dtype) if bias_nc is not None else x
+    h = h.contiguous(memory_format=memory_format_of(x))
+    dz = dy
+    if ctx.activation != "none":
+        N, C, H, W = x.shape
+        acc = _acc(x)
+        hg = h.to(acc).reshape(N, ctx.groups, -1)
+        z = ((hg - mean.to(acc)[..., None]) * rstd.to(acc)[..., None]).reshape(N, C, H, W)
+        if gamma is not None:
+            z = z * gamma.to(acc).reshape(1, C, 1, 1)
+        if beta is not None:
+            z = z + beta.to(acc).reshape(1, C, 1, 1)
+        if residual is not None:
+            z = z + residual.to(acc)
+        with torch.enable_grad():
+            z = z.detach().requires_grad_()
+            (dz,) = torch.autograd.grad(_fused_act(ctx.activation)(z), z, dy.to(acc))
+    need_h = _needs(ctx, 0) or _needs(ctx, 7)
+    dh, dgamma, dbeta = gn_grads(dz, h, gamma, beta, mean, rstd, ctx.groups, "none", need_h,
+                                 _needs(ctx, 1), _needs(ctx, 2))
+    dres = grad_like(dz, x, x.dtype) if ctx.has_residual and _needs(ctx, 6) else None
+    dbias = dh.float().sum((2, 3)).to(bias_nc.dtype) if bias_nc is not None and _needs(ctx, 7) else None
+    return (dh if _needs(ctx, 0) else None, dgamma, dbeta, None, None, None, dres, dbias)
+
+
+groupnorm_fwd_fused.register_autograd(_gn_fused_backward, setup_context=_gn_fused_setup)
+
+
 def _max_setup(ctx, inputs, output):
     x, kernel_size, stride, padding, dilation, ceil_mode = inputs
     ctx.params = (list(kernel_size), list(stride), list(padding), list(dilation), bool(ceil_mode))
@@ -894,5 +1029,5 @@ for _op in (groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, maxpool
 
 
 ALL_OPS = {op._name.split("::")[-1]: op for op in (
-    groupnorm_fwd, groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, maxpool2d_fwd,
+    groupnorm_fwd, groupnorm_fwd_fused, groupnorm_bwd, groupnorm_bwd_data, groupnorm_bwd_gamma_beta, maxpool2d_fwd,
     maxpool2d_fwd_with_indices, maxpool2d_bwd, avgpool2d_fwd, avgpool2d_bwd)}

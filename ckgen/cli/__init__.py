@@ -10,7 +10,6 @@ command, as the dispatcher layers them."""
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
@@ -601,10 +600,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True), Col("source"),
         Col("reason", fmt=printable)))
     failed = 0
-    log = logging.getLogger("ckgen")
-    level = log.level
-    log.setLevel(logging.ERROR)  # the dispatcher's once-per-problem notice: the table says it
-    try:
+    with dispatcher().asked():  # the dispatcher's once-per-problem notice: the table says it
         for p in problems:
             try:
                 c = dispatcher().choose(op, p, target)[0]
@@ -613,8 +609,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 failed += 1
                 continue
             sheet.add(c.problem, c.instance, c.source, c.reason)
-    finally:
-        log.setLevel(level)
     emit(console, fmt, [sheet], {"op": op.name, "arch": target.arch})
     return 1 if failed else 0
 

@@ -705,6 +705,11 @@ def test_convert_replaces_fuses_and_reports(route_cpu):
     assert "8.1" in left and "runs as PyTorch's SiLU" in left["8.1"].reason
     assert report.counts()["GroupNorm -> GroupNormSwish"] == 3
     assert "replaced" in text and "left" in text and "5.norm" in text
+    # in the model's module order, whichever pass (Sequential fusions, patterns, plain) made them
+    order = [n for n, _ in ref.named_modules(remove_duplicate=False)]
+    for rows in (report.replaced, report.left):
+        assert [order.index(e.name) for e in rows] == sorted(order.index(e.name) for e in rows), rows
+    assert [e.name for e in report.replaced][:3] == ["1", "2", "3"]
     # parameters and buffers kept: same objects, same keys; the optimizer built before still works
     assert {n: p for n, p in model.named_parameters()} == params_before
     assert all(p is params_before[n] for n, p in model.named_parameters())

@@ -333,3 +333,16 @@ def test_gpu_test_extra_covers_the_gpu_tier_and_keeps_a_cuda_torch() -> None:
             assert dist.get(m, m) in have, f"{path.name} imports {m}, which .[gpu-test] does not install"
     readme = (REPO / "README.md").read_text()
     assert 'pip install ".[gpu-test]"' in readme and "python3 -m pytest -m gpu" in readme
+
+
+def test_timm_is_added_without_replacing_the_cpu_torch() -> None:
+    """The timm tests' skip reason and the README give one install route, and it keeps the test
+    extra's CPU torch: timm without its dependencies (the `models` extra would pull a CUDA torch);
+    the others it needs come with the test extra."""
+    from _torchvision_standin import SKIP_NO_TIMM, TIMM_INSTALL
+
+    assert TIMM_INSTALL == "pip install --no-deps timm" and TIMM_INSTALL in SKIP_NO_TIMM
+    assert f"python3 -m {TIMM_INSTALL}" in " ".join((REPO / "README.md").read_text().split())
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "timm" not in _requirement_names(extras["test"])  # its torchvision pins a torch release

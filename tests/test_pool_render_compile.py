@@ -19,6 +19,7 @@ from ckgen.runtime.compile import compile_offline
 from ckgen.instance import InvalidConfig, render_instance
 from ckgen.ops import all_ops, get_op
 from ckgen.ops.spec import Config, Target
+from tiers import SWEEP
 
 OPS = ("maxpool2d_fwd", "maxpool2d_bwd", "avgpool2d_fwd", "avgpool2d_bwd")
 COMBOS = list(itertools.product(OPS, ("fp32", "fp16", "bf16"), ("nchw", "nhwc")))
@@ -79,14 +80,17 @@ def _compile(jobs):
             assert b.cubin[:4] == b"\x7fELF" and src.name.encode() in b.cubin
 
 
+@pytest.mark.parametrize("full", SWEEP)
 @pytest.mark.parametrize("name", OPS)
-def test_compile_offline_sm90_and_sm80(name):
+def test_compile_offline_sm90_and_sm80(name, full):
+    """Every dtype x layout's default (or nearest valid) config, and both scatter variants of the
+    backward ops; the quality tier also SAMPLES sampled valid configs of each."""
     op = get_op(name)
     jobs, seen = [], set()
     for dtype, layout in itertools.product(("fp32", "fp16", "bf16"), ("nchw", "nhwc")):
         p = problem(name, dtype, layout)
         for arch in CUDA_ARCHS:
-            for c in picks(op, p, arch, SAMPLES):
+            for c in picks(op, p, arch, SAMPLES if full else 0):
                 src = render_instance(op, p, c, Target.named(arch))
                 if (src.sha256, arch) not in seen:
                     seen.add((src.sha256, arch))

@@ -335,15 +335,44 @@ def test_groupnorm_gradcheck(layout, act, affine):
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_pool_gradcheck(layout):
+    """fast_mode: the Jacobian against the numerical one along random directions (two function
+    calls per direction, not two per input element: the full check took 20 CPU-seconds); a wrong
+    gradient element moves the projection all the same."""
     x = _distinct((2, 3, 7, 6), torch.float64, layout).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: torch.ops.ckgen.maxpool2d_fwd(t, [3, 3], [2, 2], [1, 1], [1, 1], True),
-                                    (x,), eps=1e-7)
+                                    (x,), eps=1e-7, fast_mode=True)
     assert torch.autograd.gradcheck(
-        lambda t: torch.ops.ckgen.maxpool2d_fwd_with_indices(t, [2, 2], [1, 2], [0, 1], [2, 1], False)[0], (x,), eps=1e-7)
+        lambda t: torch.ops.ckgen.maxpool2d_fwd_with_indices(t, [2, 2], [1, 2], [0, 1], [2, 1], False)[0], (x,), eps=1e-7,
+        fast_mode=True)
     assert torch.autograd.gradcheck(
-        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 2], [2, 1], [1, 1], True, False, None), (x,))
+        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 2], [2, 1], [1, 1], True, False, None), (x,), fast_mode=True)
     assert torch.autograd.gradcheck(
-        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, 5), (x,))
+        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, 5), (x,), fast_mode=True)
+
+
+def test_pool_gradcheck_fails_on_a_wrong_gradient():
+    """The fast mode finds one wrong gradient element."""
+    x = _distinct((2, 3, 7, 6), torch.float64, "nchw").requires_grad_(True)
+
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, None)
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.enable_grad():  # the op's own gradient, then one element of it off
+                t = x.detach().requires_grad_(True)
+                (gx,) = torch.autograd.grad(torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, None),
+                                            t, g)
+            gx = gx.clone()
+            gx.view(-1)[17] += 1e-3
+            return gx
+
+    from torch.autograd.gradcheck import GradcheckError
+
+    with pytest.raises(GradcheckError):
+        torch.autograd.gradcheck(Wrong.apply, (x,), fast_mode=True)
 
 
 @pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True), (False, True, False),

@@ -270,9 +270,11 @@ def test_strided_opcheck_and_gradients():
     torch.testing.assert_close(xs.grad, xd.grad)
 
 
+@pytest.mark.quality  # Inductor's first CPU compile in a process costs ~20 CPU-seconds (its C++ toolchain)
 @pytest.mark.parametrize("view", ["crop", "transpose", "expand"])
 def test_compile_inductor_passes_views_to_the_ops(view, route_cpu):
-    """torch.compile (Inductor, CPU) of code that feeds the ops a view: compiles, runs and matches eager."""
+    """torch.compile (Inductor, CPU) of code that feeds the ops a view: compiles, runs and matches
+    eager. The quality tier's: the fast tier traces the same ops with aot_eager."""
     torch._dynamo.reset()
 
     def f(base, g):
@@ -886,8 +888,9 @@ def _small_model():
                          ResBlock(16), nn.AvgPool2d(2), nn.GroupNorm(4, 16), nn.Flatten(), nn.Linear(16 * 16, 4))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.quality)])
 def test_compile_fullgraph_trains_like_eager(backend, route_cpu):
+    """Inductor's run is the quality tier's (its C++ compiles take seconds): see the views test."""
     torch._dynamo.reset()
     ref = _small_model()
     model = copy.deepcopy(ref)

@@ -419,6 +419,9 @@ def test_two_generates_into_one_folder_both_finish(tmp_path):
 
     insts = library.plan(["sm_90"], ["maxpool2d_fwd", "avgpool2d_fwd"], from_db=False, db=dbmod.InstanceDB())
     out = tmp_path / "lib"
+    left = out / "sm_90" / ".ckgen-replaced-0123abcd"  # what a run killed mid-swap leaves: cleared
+    left.mkdir(parents=True)
+    (left / "manifest.yaml").write_text("op: maxpool2d_fwd\n")
     start, errors = threading.Barrier(2), []
 
     def run() -> None:

@@ -272,7 +272,8 @@ def publish(stage: Path, root: Path, archs: list[str], ops: list[str] | None = N
     """Swap the <arch>/<op> folders `write` made under `stage` into `root`, under a lock on
     `root`: for each of `archs`, the generated folders of `ops` (None: all) that `root` holds are
     replaced (a new one renamed into place) or, with no new one, removed; nothing else is
-    touched. Everything is checked before anything moves: a link or a file where an <arch>
+    touched (but the leftovers of a swap cut short, which only a run holding the lock makes).
+    Everything is checked before anything moves: a link or a file where an <arch>
     folder goes, or an <arch>/<op> folder that `write` did not make where a new one goes, is a
     ValueError naming it. Returns the folders put in place."""
     placed: list[Path] = []
@@ -287,6 +288,9 @@ def publish(stage: Path, root: Path, archs: list[str], ops: list[str] | None = N
                                      "link); move it away, generate does not replace it")
         for arch in archs:
             folder = root / arch
+            for left in folder.glob(f"{_TRASH}*") if folder.is_dir() else ():  # a run killed mid-swap left it
+                if left.is_dir() and not left.is_symlink():
+                    shutil.rmtree(left, ignore_errors=True)
             old = [p.name for p in sorted(folder.iterdir()) if (ops is None or p.name in ops)
                    and is_generated(p, arch)] if folder.is_dir() else []
             try:

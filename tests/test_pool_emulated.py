@@ -75,6 +75,7 @@ def test_kernels_match_reference(case, layout):
     picked = [default] + r.sample(cfgs, 2)
     if op.backward:
         picked.append(r.choice([c for c in cfgs if c["algo"] == "scatter"]))
+    pool_emu.prebuild([(op, p, c) for c in picked])
     for c in picked:
         check(op, p, c, inputs)
 
@@ -175,7 +176,9 @@ def test_one_output_axis_with_a_small_stride(name, extra, layout):
         inputs = op.make_inputs(p, rng)
         t = pool_emu.EMU_TARGET
         cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
-        for c in [op.space.nearest_default(lambda c: bool(op.validate(p, c, t)))] + random.Random(name).sample(cfgs, 2):
+        picked = [op.space.nearest_default(lambda c: bool(op.validate(p, c, t)))] + random.Random(name).sample(cfgs, 2)
+        pool_emu.prebuild([(op, p, c) for c in picked])
+        for c in picked:
             check(op, p, c, inputs)
 
 

@@ -225,3 +225,30 @@ def test_smem_is_checked_by_the_emulator():
     got = pool_emu.run(op, p, c, inputs)["dx"]
     want = op.reference(q, op.make_inputs(q, np.random.default_rng(0)))["dx"]
     assert max_violation(got, want, 0, 0) > 1
+
+
+def test_a_batch_built_emulator_is_the_one_built_alone(tmp_path, monkeypatch):
+    """`prebuild` puts several emulators (of different ops: different macros and helpers) in one
+    library, each in a namespace of its own; each runs exactly as it does built alone."""
+    rng = np.random.default_rng(3)
+    t = pool_emu.EMU_TARGET
+    jobs = []
+    for name, extra in [("maxpool2d_fwd", dict(return_indices=True)), ("avgpool2d_bwd", {}),
+                        ("maxpool2d_bwd", dict(indices="recompute"))]:
+        op = get_op(name)
+        p = op.parse_problem(N=1, C=8, H=9, W=10, dtype="bf16", layout="nchw", kernel=3, stride=2, padding=1, **extra)
+        cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
+        jobs += [(op, p, c) for c in random.Random(name).sample(cfgs, 2)]
+    monkeypatch.setattr(pool_emu.tempfile, "gettempdir", lambda: str(tmp_path))  # nothing built before
+    monkeypatch.setattr(pool_emu, "_cache", {})
+    pool_emu.prebuild(jobs)
+    assert len({id(pool_emu._cache[pool_emu._source(*j)[0]]) for j in jobs}) == 1, "one library for all"
+    for op, p, c in jobs:
+        inputs = op.make_inputs(p, rng)
+        batched = pool_emu.run(op, p, c, inputs)
+        digest, body, _ = pool_emu._source(op, p, c)
+        pool_emu._compile(tmp_path / "ckgen-pool-emu" / f"alone-{digest}.so", body)
+        pool_emu._cache[digest] = pool_emu.ctypes.CDLL(str(tmp_path / "ckgen-pool-emu" / f"alone-{digest}.so"))
+        alone = pool_emu.run(op, p, c, inputs)
+        for k in batched:
+            np.testing.assert_array_equal(batched[k], alone[k], err_msg=f"{op.name} {k}")

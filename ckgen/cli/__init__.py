@@ -957,19 +957,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with library.staging(out) as stage:
             library.write(instances, stage)
             if not args.no_compile:
-                vendors = sorted({Target.named(t).vendor for t in targets})
-                missing = {v: why for v in vendors if (why := library.toolchain_missing(v))}
-                for vendor, why in missing.items():
-                    archs = [t for t in targets if Target.named(t).vendor == vendor]
-                    count = sum(1 for i in instances if i.target.vendor == vendor)
-                    what = (f"no HIP toolchain ({why}); {library.HIP_TOOLCHAIN_HINT}" if vendor == "hip"
-                            else f"no NVRTC ({why})")
-                    err.print(f"ckgen generate: not built for {', '.join(archs)} ({plural(count, 'instance')}): "
-                              f"{what}", markup=False)
-                todo = [i for i in instances if i.target.vendor not in missing]
-                skipped = len(instances) - len(todo)
                 build_start = time.monotonic()
-                built = _build(library, todo, args.jobs, info)
+                built, skipped = _build_where_we_can(library, instances, targets, args.jobs, info)
                 build_s = time.monotonic() - build_start
                 library.write_reports(built, stage)
             library.publish(stage, out, targets, ops)
@@ -998,6 +987,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     info.print(f"built {len(built) - len(failed)} of {n}" + (f"; {len(failed)} failed" if failed else "")
                + (f"; {skipped} not built (no toolchain)" if skipped else ""), markup=False)
     return 1 if failed or skipped else 0
+
+
+def _build_where_we_can(library: Any, instances: list[Any], targets: list[str], jobs: int | None,
+                        info: Console) -> tuple[list[Any], int]:
+    """The instances built (`_build`) for the targets whose toolchain is here; one line per
+    vendor whose toolchain is missing. Returns (the builds, how many instances were not built)."""
+    from ..types import Target
+
+    vendors = sorted({Target.named(t).vendor for t in targets})
+    missing = {v: why for v in vendors if (why := library.toolchain_missing(v))}
+    for vendor, why in missing.items():
+        archs = [t for t in targets if Target.named(t).vendor == vendor]
+        count = sum(1 for i in instances if i.target.vendor == vendor)
+        what = f"no HIP toolchain ({why}); {library.HIP_TOOLCHAIN_HINT}" if vendor == "hip" else f"no NVRTC ({why})"
+        err.print(f"ckgen generate: not built for {', '.join(archs)} ({plural(count, 'instance')}): {what}",
+                  markup=False)
+    todo = [i for i in instances if i.target.vendor not in missing]
+    return _build(library, todo, jobs, info), len(instances) - len(todo)
 
 
 def _generate_check(library: Any, out: Path, instances: list[Any], targets: list[str], ops: list[str] | None) -> int:

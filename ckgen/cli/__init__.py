@@ -943,7 +943,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     rendered_s = time.monotonic() - start
     n = plural(len(instances), "instance")
     if args.check:  # regenerate into a temp folder and compare with `out`
-        return _generate_check(library, out, instances, targets, ops)
+        try:
+            return _generate_check(library, out, instances, targets, ops)
+        except library.WriteError as e:  # the temp folder's disk is full
+            raise UsageError(str(e)) from None
     summary = Sheet("targets", "", (Col("target", ident=True), Col("instances", number=True),
                                     Col("built", number=True), Col("failed", number=True),
                                     Col("not_built", "not built", number=True)))

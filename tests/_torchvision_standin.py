@@ -56,6 +56,13 @@ def _forget(prefix: str) -> None:
         del sys.modules[name]
 
 
+#: How to add timm to a test environment: without its dependencies, which are torch (installed),
+#: torchvision (standed in here) and packages the test extra's diffusers already brings. The
+#: `models` extra, or a plain `pip install timm`, would install a CUDA torch over the CPU one.
+TIMM_INSTALL = "pip install --no-deps timm"
+SKIP_NO_TIMM = f"timm is not installed ({TIMM_INSTALL} adds it and keeps the installed torch)"
+
+
 def import_timm():
     """timm, with the stand-in if the real torchvision cannot be imported; None if timm is not
     installed or does not import even so."""

@@ -1,4 +1,8 @@
+import gc
 import os
+import resource
+import time
+from pathlib import Path
 
 import pytest
 
@@ -6,6 +10,14 @@ import pytest
 # (shared with the tests' workers and servers) a second BLAS thread spins more than it helps.
 # Set before numpy is imported (the test modules import it, after this file).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# The cyclic garbage collector less often (a young collection every 50,000 allocations, not 700):
+# the test processes hold large heaps (torch, compiled graphs, rendered sources), and collecting
+# them at Python's default rate took a tenth of the tier's CPU time (measured over test_torch,
+# test_costmodel and test_db: 16.8 s of collections, 31 of them full; 3.7 s and 2 full at these
+# thresholds, and the files' CPU time fell by a quarter). Garbage is still collected, in bigger
+# batches; nothing here relies on the collector's timing.
+gc.set_threshold(50_000, 20, 10)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -23,6 +35,63 @@ def pytest_configure(config):
         import tempfile
 
         os.environ["CKGEN_KERNEL_CACHE"] = config._ckgen_kernels = tempfile.mkdtemp(prefix="ckgen-test-kernels-")
+
+
+def _cpu_seconds(children: bool = True) -> float:
+    """User + system CPU seconds of this process (and of the child processes it has waited for:
+    compilers, workers, tools; not servers that detach, such as PostgreSQL's)."""
+    who = [resource.RUSAGE_SELF] + ([resource.RUSAGE_CHILDREN] if children else [])
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
+
+
+def pytest_sessionstart(session):
+    session.config._ckgen_started = time.monotonic()
+    session.config._ckgen_worker_cpu = []
+
+
+def pytest_sessionfinish(session):
+    """Before an xdist worker says it is done: its CPU time for the controller's summary, then
+    one garbage collection and a freeze of what survives it. pytest collects garbage five times
+    more after this (at unconfigure, for unraisable exceptions); over a worker's heap (torch,
+    compiled graphs: 1.5 million objects) each pass took seconds, and execnet interrupts a worker
+    still running 5 s after the controller's shutdown: a KeyboardInterrupt traceback at the end of
+    the run. Frozen objects are not scanned again, so those passes take milliseconds."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["ckgen_cpu_s"] = _cpu_seconds()
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_testnodedown(node, error):
+    """The controller: each worker's CPU time, for the summary line."""
+    cpu = getattr(node, "workeroutput", {}).get("ckgen_cpu_s")
+    if cpu is not None:
+        node.config._ckgen_worker_cpu.append(cpu)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The run's CPU time, so that a slower test tier shows (README: the fast tier takes at most
+    600 CPU-seconds, 5 minutes on 2 idle cores): with xdist, the controller's own and every
+    worker's with the child processes each waited for."""
+    workers = getattr(config, "_ckgen_worker_cpu", None)
+    started = getattr(config, "_ckgen_started", None)
+    if workers is None or started is None or hasattr(config, "workeroutput"):
+        return
+    cpu = _cpu_seconds(children=not workers) + sum(workers)
+    how = f"{len(workers)} worker processes, " if workers else ""
+    budget = "; the fast tier's budget: 600 s" if config.option.markexpr == "not quality" else ""
+    terminalreporter.write_line(f"CPU time: {cpu:.0f} s in {time.monotonic() - started:.0f} s wall ({how}with the "
+                                f"compilers and tools they ran{budget})")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A GPU test skipped for want of a GPU is reported at tests/gpu, not at its own line, so
+    that `-ra` folds the whole GPU tier into one line."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and isinstance(rep.longrepr, tuple) and "gpu" in item.keywords and "no GPU: " in str(rep.longrepr[2]):
+        rep.longrepr = (str(Path(__file__).parent / "gpu"), None, rep.longrepr[2])
 
 
 def pytest_unconfigure(config):

@@ -51,10 +51,15 @@ def corrupt(tmp_path: Path) -> Path:
 
 def tsv(out: str) -> list[list[dict[str, str]]]:
     """The tables of a tsv output: one list of row dicts per table (tables are separated by one
-    empty line; each starts with its header line)."""
+    empty line; each starts with its header line, after a `# name: title` caption when there
+    are several)."""
     tables = []
-    for block in out.strip("\n").split("\n\n"):
+    blocks = out.strip("\n").split("\n\n")
+    for block in blocks:
         lines = block.split("\n")
+        if len(blocks) > 1:
+            assert lines[0].startswith("# "), block
+            lines = lines[1:]
         head = lines[0].split("\t")
         rows = [ln.split("\t") for ln in lines[1:]]
         assert all(len(r) == len(head) for r in rows), block
@@ -180,31 +185,57 @@ def test_list_counts_the_default_problems_the_ops_tune(inproc) -> None:
 
 def test_db_show_with_db_option(inproc, db_file: Path) -> None:
     entries = make_entries()
-    for argv in (["--db", str(db_file), "db", "show"], ["db", "show", "--db", str(db_file)]):
+    for argv in (["--db", str(db_file), "db", "show", "--all"], ["db", "show", "--all", "--db", str(db_file)]):
         code, out, err = inproc(*argv)
         assert code == 0, err
         (rows,) = tsv(out)
         assert {(r["problem"], r["instance"], r["from"]) for r in rows} == {(e.problem, e.instance, "user") for e in entries}
-    code, out, _ = inproc("db", "show")  # the (empty) default DB, not the last --db
+    code, out, _ = inproc("db", "show", "--all")  # the (empty) default DB, not the last --db
     assert code == 0 and tsv(out) == [[]]
 
 
 def test_db_show_with_env(inproc, db_file: Path, monkeypatch) -> None:
     monkeypatch.setenv("CKGEN_DB", str(db_file))
-    code, out, _ = inproc("db", "show")
+    code, out, _ = inproc("db", "show", "--all")
     assert code == 0
     (rows,) = tsv(out)
     assert len(rows) == 2 and make_entries()[1].problem in {r["problem"] for r in rows}
 
 
 def test_db_show_subprocess_env_and_option(tmp_path: Path, db_file: Path) -> None:
-    r = run_sub(tmp_path, "db", "show", env={"CKGEN_DB": str(db_file)})
+    r = run_sub(tmp_path, "db", "show", "--all", env={"CKGEN_DB": str(db_file)})
     assert r.returncode == 0, r.stderr
     assert len(tsv(r.stdout)[0]) == 2 and make_entries()[0].instance in r.stdout
-    r = run_sub(tmp_path, "db", "show", "--db", str(db_file))
+    r = run_sub(tmp_path, "db", "show", "--all", "--db", str(db_file))
     assert r.returncode == 0 and len(tsv(r.stdout)[0]) == 2
-    r = run_sub(tmp_path, "db", "show")
+    r = run_sub(tmp_path, "db", "show", "--all")
     assert r.returncode == 0 and tsv(r.stdout) == [[]]
+
+
+def test_db_show_first_screen_counts_entries_per_op_and_arch(inproc, db_file: Path, monkeypatch) -> None:
+    """Plain `db show` over the packaged DB (over a thousand entries) is a screen: a count per op
+    and arch, by origin; `--op`/`--all` list the entries."""
+    import json
+
+    monkeypatch.delenv("CKGEN_SHIPPED_DB")  # the packaged DB, as a user has it
+    user, shipped = dbmod.InstanceDB.load(db_file), dbmod.InstanceDB.load(dbmod.shipped_db_path())
+    layered = dbmod.InstanceDB.layered(user, shipped)
+    assert len(layered.entries) > 1000
+    code, out, err = inproc("db", "show", "--db", str(db_file), "--format", "json")
+    assert code == 0, err
+    rows = json.loads(out)["ops"]
+    assert sum(r["entries"] for r in rows) == len(layered.entries)
+    assert sum(r["user"] for r in rows) == len(user.entries)
+    assert all(r["entries"] == r["user"] + r["shipped"] for r in rows)
+    assert {(r["op"], r["arch"]) for r in rows} == {(e.op, e.arch) for e in layered.entries}
+    code, out, err = inproc("db", "show", "--db", str(db_file), "--format", "table")
+    assert code == 0 and len(out.splitlines()) < 40 and "--all" in out
+    code, out, err = inproc("db", "show", "--db", str(db_file), "--all", "--format", "tsv")
+    assert code == 0 and len(tsv(out)[0]) == len(layered.entries)
+    code, out, err = inproc("db", "show", "--db", str(db_file), "--op", "maxpool2d_fwd", "--format", "tsv")
+    assert code == 0 and len(tsv(out)[0]) == len(layered.select("maxpool2d_fwd"))
+    code, out, err = inproc("db", "show", "--all", "--op", "maxpool2d_fwd")
+    assert code == 2 and "not allowed with" in err
 
 
 def test_db_export_csv(inproc, tmp_path: Path, db_file: Path) -> None:
@@ -373,7 +404,8 @@ def _hostile_db(path: Path) -> dbmod.Entry:
     return e
 
 
-@pytest.mark.parametrize("argv", [["db", "show"], ["db", "show", "--op", "groupnorm_fwd"], ["db", "where"]])
+@pytest.mark.parametrize("argv", [["db", "show"], ["db", "show", "--all"], ["db", "show", "--op", "groupnorm_fwd"],
+                                  ["db", "where"]])
 @pytest.mark.parametrize("fmt", ["table", "tsv"])
 def test_db_strings_are_shown_escaped_not_obeyed(inproc, tmp_path: Path, argv, fmt) -> None:
     path = tmp_path / "hostile.yaml"
@@ -382,7 +414,7 @@ def test_db_strings_are_shown_escaped_not_obeyed(inproc, tmp_path: Path, argv, f
     assert code == 0, err
     for raw in ("\x1b", "\x07", "\r", "\x9b", "\u202e"):
         assert raw not in out, (raw, out)
-    if argv != ["db", "where"]:  # where shows counts per arch, not devices
+    if argv not in (["db", "where"], ["db", "show"]):  # these show counts per arch, not devices
         assert "Evil\\x1b[2J\\x1b]0;pwned\\x07GPU\\nop\\tfake row\\r\\x9b31m\\u202e" in out
     assert "sm_90\\x1b[8m" in out
     lines = out.splitlines()
@@ -394,7 +426,7 @@ def test_json_keeps_db_strings_exact(inproc, tmp_path: Path) -> None:
 
     path = tmp_path / "hostile.yaml"
     _hostile_db(path)
-    code, out, _ = inproc("db", "show", "--db", str(path), "--format", "json")
+    code, out, _ = inproc("db", "show", "--all", "--db", str(path), "--format", "json")
     assert code == 0 and "\x1b" not in out  # JSON escapes them itself
     assert HOSTILE in {r["device"] for r in json.loads(out)["entries"]}
 

@@ -82,7 +82,7 @@ def test_list_at_any_width(run, width: int) -> None:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_db_show_at_any_width(run, wide_db: Path, width: int) -> None:
     entries = dbmod.InstanceDB.load(wide_db).entries
-    code, out, _ = run("db", "show", "--db", str(wide_db), "--format", "table", width=width)
+    code, out, _ = run("db", "show", "--all", "--db", str(wide_db), "--format", "table", width=width)
     assert code == 0
     assert_whole(out, width, {e.op for e in entries} | {e.problem for e in entries} | {e.instance for e in entries})
     code, out, _ = run("db", "show", "--db", str(wide_db), "--op", LONG_OP.name, "--format", "table", width=width)
@@ -325,6 +325,9 @@ def quick_builds(monkeypatch):
         return library.Built(inst, ok, "" if ok else "error: made up", {})
 
     monkeypatch.setattr(library, "_build_cuda", fake)
+    # nothing kept from (or for) real builds: the tests share one kernel cache (conftest)
+    monkeypatch.setattr(library, "_kept", lambda inst, compiler: None)
+    monkeypatch.setattr(library, "_keep", lambda built, compiler: None)
     monkeypatch.setattr(library, "toolchain_missing", lambda vendor: None if vendor == "cuda" else "no clang (made up)")
 
 
@@ -332,19 +335,25 @@ def test_generate_progress_in_a_log_and_its_summary(run, tmp_path: Path, quick_b
     from ckgen.offline import library
 
     out_dir = tmp_path / "g"
-    code, out, err = run("generate", "--ops", "maxpool2d_fwd,avgpool2d_fwd", "--target", "sm_90,gfx90a", "--defaults",
-                         "--out", str(out_dir), width=80)
+    argv = ("generate", "--ops", "maxpool2d_fwd,avgpool2d_fwd", "--target", "sm_90,gfx90a", "--defaults",
+            "--out", str(out_dir))
+    code, out, err = run(*argv, width=80)  # a pipe: the summary as TSV on stdout, the progress on stderr
     assert code == 1  # a failure and instances not built
-    lines = out.splitlines()
+    lines = err.splitlines()
     rendered = [ln for ln in lines if ln.startswith("[") and " rendered " in ln]
     assert [ln.split(" ")[2:4] for ln in rendered] == [["sm_90", "maxpool2d_fwd:"], ["sm_90", "avgpool2d_fwd:"],
                                                         ["gfx90a", "maxpool2d_fwd:"], ["gfx90a", "avgpool2d_fwd:"]]
     assert rendered[0].startswith("[1/4] rendered sm_90 maxpool2d_fwd: 10 problems (")
     built = [ln for ln in lines if ln.startswith("[") and " built " in ln]
     assert sorted(ln.split(" ")[3] for ln in built) == ["avgpool2d_fwd:", "maxpool2d_fwd:"]  # sm_90 only
-    assert "━" not in out and "\x1b" not in out and "\r" not in out
+    assert "━" not in err and "\x1b" not in err and "\r" not in err
     instances = library.plan(["sm_90"], ["maxpool2d_fwd", "avgpool2d_fwd"], from_db=False)
     failed = sum(i.source.name.endswith(("_m4", "_br2_m2")) for i in instances)
+    (rows,) = tsv(out)
+    assert {r["target"]: [r["instances"], r["built"], r["failed"], r["not_built"]] for r in rows}["sm_90"] == [
+        str(len(instances)), str(len(instances) - failed), str(failed), "0"]
+    code, out, err = run(*argv, "--format", "table", width=80)  # the same as a table, and the notes beside it
+    lines = out.splitlines()
     summary = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:6]]
                for ln in lines if ln.startswith("│ ") and ("sm_90" in ln or "gfx90a" in ln)}
     assert summary["sm_90"] == [str(len(instances)), str(len(instances) - failed), str(failed), "0"]
@@ -352,6 +361,6 @@ def test_generate_progress_in_a_log_and_its_summary(run, tmp_path: Path, quick_b
     assert f"{2 * len(instances)} instances under {out_dir} in " in " ".join(lines)
     assert f"built {len(instances) - failed} of {2 * len(instances)} instances" in out
     code, out, _ = run("generate", "--ops", "maxpool2d_fwd", "--target", "sm_90", "--defaults", "--no-compile",
-                       "--out", str(out_dir), width=80)
+                       "--out", str(out_dir), "--format", "table", width=80)
     assert code == 0 and "not built (--no-compile)" in out and not any(" built " in ln for ln in out.splitlines()
                                                                         if ln.startswith("["))

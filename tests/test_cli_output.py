@@ -62,16 +62,16 @@ def many(tmp_path: Path) -> Path:
 
 
 def test_pipe_gets_tsv_terminal_gets_a_table(run, many: Path) -> None:
-    code, out, _ = run("db", "show", "--db", str(many))
+    code, out, _ = run("db", "show", "--all", "--db", str(many))
     assert code == 0 and "\t" in out and "┃" not in out and "│" not in out
-    code, out, _ = run("db", "show", "--db", str(many), terminal=True)
+    code, out, _ = run("db", "show", "--all", "--db", str(many), terminal=True)
     assert code == 0 and "\t" not in out and "instance DB (6 entries)" in out
 
 
 @pytest.mark.parametrize("width", [60, 80, 120, 400])
 def test_table_never_cuts_an_identifier(run, many: Path, width: int) -> None:
     entries = dbmod.InstanceDB.load(many).entries
-    code, out, _ = run("db", "show", "--db", str(many), "--format", "table", width=width)
+    code, out, _ = run("db", "show", "--all", "--db", str(many), "--format", "table", width=width)
     assert code == 0 and "…" not in out and "..." not in out
     lines = out.splitlines()
     for e in entries:  # every key and name whole, on one line
@@ -84,8 +84,8 @@ def test_table_never_cuts_an_identifier(run, many: Path, width: int) -> None:
 
 
 def test_tsv_and_json_hold_the_same_rows(run, many: Path) -> None:
-    _, out_tsv, _ = run("db", "show", "--db", str(many), "--format", "tsv")
-    code, out_json, _ = run("db", "show", "--db", str(many), "--format", "json")
+    _, out_tsv, _ = run("db", "show", "--all", "--db", str(many), "--format", "tsv")
+    code, out_json, _ = run("db", "show", "--all", "--db", str(many), "--format", "json")
     assert code == 0
     doc = json.loads(out_json)
     (rows,) = tsv(out_tsv)
@@ -114,6 +114,11 @@ def test_output_module_cells_and_folding() -> None:
     sheet.add("a\tb", "x\ny", 1.0)
     sheet.add("groupnorm_bwd_gamma_beta", None, float("nan"))
     assert to_tsv([sheet]) == "name\ttext\tn\na b\tx y\t1.0\ngroupnorm_bwd_gamma_beta\t\tnan\n"
+    other = Sheet("more", "", (Col("k"),))
+    other.add("v")
+    # several tables: each captioned, so a reader of the pipe knows which is which
+    assert to_tsv([sheet, other]) == ("# rows: t\nname\ttext\tn\na b\tx y\t1.0\ngroupnorm_bwd_gamma_beta\t\tnan\n"
+                                      "\n# more\nk\nv\n")
     assert json.loads(to_json([sheet], {"k": 1})) == {"k": 1, "rows": [{"name": "a\tb", "text": "x\ny", "n": 1.0},
                                                                        {"name": "groupnorm_bwd_gamma_beta", "text": None,
                                                                         "n": None}]}
@@ -236,7 +241,7 @@ def test_db_warnings_are_one_line(run, tmp_path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     doc["entries"].append({"op": "groupnorm_fwd"})  # a malformed entry
     path.write_text(yaml.safe_dump(doc))
-    code, out, err = run("db", "show", "--db", str(path))
+    code, out, err = run("db", "show", "--all", "--db", str(path))
     assert code == 0 and len(tsv(out)[0]) == 1
     assert err.startswith("ckgen db show: warning: instance DB ") and len(err.strip().splitlines()) == 1
 
@@ -274,6 +279,58 @@ def test_tune_help_lists_ops_and_every_default(run) -> None:
         assert "default" in (action.help or ""), action.option_strings
 
 
+def _commands(parser) -> dict[str, object]:
+    """Every (sub)command's parser by its name ("tune", "db show", ...)."""
+    out = {}
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        out[name] = sub
+        if sub._subparsers is not None:
+            out.update({f"{name} {n}": s for n, s in sub._subparsers._group_actions[0].choices.items()})
+    return out
+
+
+def test_every_command_has_a_description_and_help_fits_80_columns(run, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    commands = _commands(cli.parser())
+    assert {"tune", "generate", "bench", "db export", "db merge", "db pull", "db where"} <= set(commands)
+    for name in commands:
+        code, out, _ = run(*name.split(), "--help")
+        assert code == 0
+        long = [ln for ln in out.splitlines() if len(ln) > 80]
+        assert not long, (name, long)
+        description = out.split("\n\n")[1]  # after the usage block: the description, before the options
+        assert not description.startswith(("options:", "positional arguments:")), (name, out)
+
+
+def test_every_command_takes_db_after_its_name(run, tmp_path: Path) -> None:
+    """`--db FILE` works after every command (README: every command takes it); `db merge` without
+    -o merges into it."""
+    user = tmp_path / "user.yaml"
+    a = tmp_path / "a.yaml"
+    dbmod.save_entries(a, make_entries(2))
+    code, out, err = run("db", "merge", str(a), "--db", str(user))
+    assert code == 0, err
+    assert len(dbmod.InstanceDB.load(user).entries) == 2 and str(user) in out
+    code, _, err = run("--db", str(tmp_path / "other.yaml"), "db", "merge", str(a))
+    assert code == 0 and len(dbmod.InstanceDB.load(tmp_path / "other.yaml").entries) == 2, err
+    for name, sub in _commands(cli.parser()).items():
+        if sub._subparsers is None:  # a command, not a group of them
+            assert any("--db" in a.option_strings for a in sub._actions), name
+
+
+def test_bench_says_no_gpu_before_it_asks_for_pytorch(run, monkeypatch) -> None:
+    """Without a GPU, `ckgen bench` says so at once: it neither imports PyTorch (seconds) nor asks
+    for it first."""
+    import sys
+
+    from ckgen.runtime import target
+
+    monkeypatch.setattr(target, "gpu_status", lambda: "faked: none here")  # on a GPU machine too
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails: as where it is not installed
+    code, out, err = run("bench")
+    assert code == 2 and out == "" and err.strip() == "ckgen bench: no usable GPU (faked: none here)", err
+
+
 # ------------------------------------------------------------------ db where
 
 
@@ -302,7 +359,7 @@ def test_db_where_says_which_entries_come_from_which(run, tmp_path: Path, monkey
     assert Path(places["templates"]["path"]).name == "templates"
     counts = {(c["op"], c["arch"]): (c["user"], c["shipped"], c["shipped_overridden"]) for c in doc["entries"]}
     assert counts == {("groupnorm_fwd", "sm_90"): (1, 1, 1), ("avgpool2d_bwd", "sm_90"): (1, 1, 0)}
-    _, out, _ = run("db", "show", "--db", str(user))
+    _, out, _ = run("db", "show", "--all", "--db", str(user))
     origin = {(r["op"], r["problem"]): r["from"] for r in tsv(out)[0]}
     assert origin[("groupnorm_fwd", overriding.problem)] == "user"
     assert sorted(origin.values()) == ["shipped", "shipped", "user", "user"]
@@ -326,8 +383,12 @@ def test_generate_layers_the_user_db_over_the_shipped_one(run, tmp_path: Path, m
     manifest = (out / "sm_90" / "groupnorm_fwd" / "manifest.yaml").read_text()
     for e in make_entries(2):  # the shipped entry's problem and the user entry's problem
         assert e.problem in manifest
+    # a pipe: the summary as TSV on stdout, as every command prints its tables there; the notes on stderr
+    (summary,) = tsv(stdout)
+    assert [r["target"] for r in summary] == ["sm_90"] and summary[0]["not_built"] == summary[0]["instances"]
+    assert "┌" not in stdout and "│" not in stdout
     assert any(ln.startswith(("wrote 1 instance for sm_90", "wrote 2 instances for sm_90"))
-               for ln in stdout.splitlines())
+               for ln in err.splitlines())
 
 
 def test_generate_with_ops_rewrites_only_those_ops(run, tmp_path: Path) -> None:
@@ -353,11 +414,11 @@ def test_generate_with_ops_rewrites_only_those_ops(run, tmp_path: Path) -> None:
 def test_generate_without_the_hip_toolchain_is_one_line(run, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("CKGEN_HIP_CLANG", "no-such-clang++")
     code, out, err = run("generate", "--ops", "groupnorm_fwd", "--target", "gfx90a,gfx942", "--out", str(tmp_path / "g"))
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    lines = [ln for ln in err.splitlines() if ln.startswith("ckgen generate:")]  # besides the progress (a pipe)
     assert code == 1 and len(lines) == 1, err
     assert "not built for gfx90a, gfx942" in lines[0] and "no-such-clang++ is not on PATH" in lines[0]
     assert "tools/hip-toolchain" in lines[0] and "hip-check" not in lines[0] and "FAILED" not in err
-    assert "not built (no toolchain)" in out
+    assert "not built (no toolchain)" in err
     assert list((tmp_path / "g" / "gfx942" / "groupnorm_fwd").glob("*.hip")), "sources are still written"
 
 
@@ -371,7 +432,7 @@ def _no_cupy_env(tmp_path: Path) -> dict[str, str]:
 def test_without_cupy_generate_and_tune_say_what_to_install(tmp_path: Path) -> None:
     env = _no_cupy_env(tmp_path)
     r = run_sub(tmp_path, "generate", "--ops", "groupnorm_fwd", "--target", "sm_90", "--out", str(tmp_path / "g"), env=env)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("ckgen generate:")]  # besides the progress
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "CuPy is not installed" in lines[0] and "ckgen[cuda13]" in lines[0] and "Traceback" not in r.stderr
     r = run_sub(tmp_path, "tune", "groupnorm_fwd", env=env)

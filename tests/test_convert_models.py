@@ -4,9 +4,9 @@ source checks behind them, and the user registry. Each converted module runs thr
 custom ops (their CPU kernels: PyTorch's computation in float32) and is compared with the library's
 own module, outputs and gradients.
 
-diffusers and timm are optional (`pip install 'ckgen[models]'`): their tests skip where they are
-missing. timm needs torchvision, whose PyPI builds do not load next to torch's CPU wheel: see
-tests/_torchvision_standin.py. LDM/sgm are not packages on PyPI: their classes are written here
+diffusers comes with the test extra; timm is optional (`pip install --no-deps timm`, which keeps
+the CPU torch): its tests skip where it is missing. timm needs torchvision, whose PyPI builds do
+not load next to torch's CPU wheel: see tests/_torchvision_standin.py. LDM/sgm are not packages on PyPI: their classes are written here
 as those repositories define them (same module names, attributes and forwards)."""
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ def _diffusers():
 
 
 def _timm():
-    from _torchvision_standin import import_timm
+    from _torchvision_standin import SKIP_NO_TIMM, import_timm
 
     timm = import_timm()
     if timm is None:
-        pytest.skip("timm is not installed (pip install 'ckgen[models]')")
+        pytest.skip(SKIP_NO_TIMM)
     return timm
 
 

@@ -10,7 +10,7 @@ import pytest
 import ckgen
 from ckgen.runtime import db as dbmod
 from ckgen import settings
-from ckgen.runtime.dispatch import Choice, Dispatcher
+from ckgen.runtime.dispatch import Choice, Dispatcher, dispatcher
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
@@ -303,6 +303,21 @@ def test_explain_without_gpu() -> None:
     # the same DB entry is for sm_90 only
     other = ckgen.explain("groupnorm_fwd", **kw, arch="sm_80")
     assert other.source == "default" and other.config["cluster"] == 1
+
+
+def test_explain_returns_the_choice_without_logging_it(caplog) -> None:
+    """`print(ckgen.explain(...))` shows the choice once: explain does not log it, and the
+    problem's later selections (its calls) count it as told; another problem is still told."""
+    kw = dict(N=2, C=320, H=64, W=64, G=32, dtype="bf16", layout="nhwc")
+    with caplog.at_level(logging.WARNING, logger="ckgen"):
+        choice = ckgen.explain("groupnorm_fwd", **kw, arch="sm_90")
+        assert choice.source == "default" and not _notices(caplog)
+        ckgen.explain("groupnorm_fwd", **kw, arch="sm_90")
+        dispatcher().choose(OP, problem(layout="nhwc"), SM90, max_vec_bytes=8)  # as a call of it would
+        assert not _notices(caplog)
+        dispatcher().choose(OP, problem(N=5), SM90)
+    (note,) = _notices(caplog)
+    assert problem(N=5).key() in note.getMessage()
 
 
 def test_explain_rejects_bad_problems() -> None:

@@ -98,7 +98,7 @@ def test_batches_multiply_shapes_that_omit_n():
         full_shapes({"batches": [1]}, [2, 64, 112, 112], 4)
 
 
-def test_tune_list_shows_the_grids_and_their_problems_without_a_gpu(inproc, monkeypatch):
+def test_tune_list_shows_the_problems_it_would_tune_then_the_grids_without_a_gpu(inproc, monkeypatch):
     from ckgen.runtime import target
 
     monkeypatch.setattr(target, "gpu_status", lambda: "no GPU here")  # --list never asks
@@ -106,6 +106,10 @@ def test_tune_list_shows_the_grids_and_their_problems_without_a_gpu(inproc, monk
     assert code == 0, err
     op = get_op("groupnorm_fwd")
     doc = json.loads(out)
+    assert [p["problem"] for p in doc["problems"]] == [p.key() for p in op.default_problems()]
+    code, out, err = inproc("tune", "groupnorm_fwd", "--list", "--dtype", "fp32", "--format", "tsv")
+    assert code == 0, err
+    assert out.split("\n\n")[0].splitlines()[2:] == [p.key() for p in op.default_problems(["fp32"])]
     assert [(g["grid"], g["problems"]) for g in doc["grids"]] == [(g, len(op.grid_problems(g)))
                                                                   for g in op.grid_names()]
     code, out, err = inproc("tune", "groupnorm_fwd", "--grid", "sd-vae", "--list", "--dtype", "bf16", "--layout",

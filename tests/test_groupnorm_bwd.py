@@ -16,10 +16,13 @@ from ckgen.runtime.compile import compile_offline
 from ckgen.instance import render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Target
+from tiers import SWEEP
 
 OPS = ("groupnorm_bwd", "groupnorm_bwd_data", "groupnorm_bwd_gamma_beta")
 COMBOS = list(itertools.product(("fp32", "fp16", "bf16"), ("nchw", "nhwc"), ("none", "swish")))
 SHAPE = dict(N=2, C=320, H=16, W=16, G=32)  # C/G = 10
+# every dtype, layout and activation once, for the fast tier's compiles (the quality tier's: COMBOS)
+FAST_COMBOS = [("fp32", "nchw", "none"), ("fp16", "nchw", "swish"), ("bf16", "nhwc", "none"), ("bf16", "nhwc", "swish")]
 
 
 def _valid(op, p, arch):
@@ -42,12 +45,18 @@ def _configs(op, p, arch, n, seed):
     return picked
 
 
+@pytest.mark.parametrize("full", SWEEP)
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("dtype,layout,act", COMBOS)
-def test_render_every_target(name, dtype, layout, act):
+def test_render_every_target(name, dtype, layout, act, full):
+    """The default, one config per scheme and random ones render for every target, each launch's
+    kernel in the source. The fast tier renders each combination for one CUDA and one HIP arch
+    (sm_90 + gfx942 and sm_80 + gfx1100 taking turns), the quality tier for all four."""
     op = get_op(name)
     p = op.parse_problem(**SHAPE, dtype=dtype, layout=layout, activation=act)
-    for arch in ("sm_90", "sm_80", "gfx942", "gfx1100"):
+    archs = ("sm_90", "gfx942", "sm_80", "gfx1100")
+    turn = COMBOS.index((dtype, layout, act)) % 2
+    for arch in archs if full else archs[2 * turn:2 * turn + 2]:
         t = Target.named(arch)
         for c in _configs(op, p, arch, 6, f"{name}{dtype}{layout}{act}{arch}"):
             src = render_instance(op, p, c, t)
@@ -59,14 +68,18 @@ def test_render_every_target(name, dtype, layout, act):
                 assert "hip/hip_runtime.h" in src.code and "asm" not in src.code and "__cluster_dims__" not in src.code
 
 
+@pytest.mark.parametrize("full", SWEEP)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("name", OPS)
-def test_compile_offline(name, arch):
-    """The default of every dtype x layout x activation builds; for bf16 + swish one config per scheme too."""
+def test_compile_offline(name, arch, full):
+    """The default of every dtype x layout x activation builds; for bf16 + swish one config per
+    scheme too. The fast tier: the defaults of each dtype (layout and activation taking turns) and
+    one config per scheme for bf16 NHWC swish; the quality tier: all of it."""
     op = get_op(name)
     t = Target.named(arch)
     srcs = {}
-    for dtype, layout, act in COMBOS:
+    combos = COMBOS if full else FAST_COMBOS
+    for dtype, layout, act in combos:
         p = op.parse_problem(**SHAPE, dtype=dtype, layout=layout, activation=act)
         # bf16 + swish: the default and one config per scheme; elsewhere the default alone
         n = 4 if (dtype, act) == ("bf16", "swish") else 1

@@ -250,8 +250,11 @@ def test_pyproject_lists_every_package() -> None:
 
 
 def test_sdist_and_its_wheel_carry_the_data(tmp_path: Path) -> None:
-    """The sdist holds templates/ and tuning_spaces/; the wheel built from it maps them into the
-    package (CI's tools/package-check also installs that wheel into a fresh venv and runs it)."""
+    """The sdist holds templates/ and tuning_spaces/, the license and every file the long
+    description (README.md) links; the wheel built from it maps the data folders into the package
+    and carries the license. Building warns of nothing (setuptools' deprecations have end dates).
+    CI's tools/package-check also installs that wheel into a fresh venv and runs it."""
+    import re
     import shutil
     import subprocess
     import sys
@@ -260,19 +263,25 @@ def test_sdist_and_its_wheel_carry_the_data(tmp_path: Path) -> None:
 
     pytest.importorskip("setuptools.build_meta")
     src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    (src / "bench" / "results").mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", "CHANGELOG.md"):
         shutil.copy(REPO / name, src / name)
-    for name in ("ckgen", "templates", "tuning_spaces"):
+    for report in (REPO / "bench" / "results").glob("*.md"):
+        shutil.copy(report, src / "bench" / "results" / report.name)
+    for name in ("ckgen", "templates", "tuning_spaces", "docs"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.lock"))
     code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=src, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "deprecat" not in (r.stdout + r.stderr).lower(), r.stderr[-2000:]
     sdist = tmp_path / "dist" / r.stdout.strip().splitlines()[-1]
     names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
     for f in ("templates/groupnorm_fwd.cu.j2", "templates/common/prelude.cuh.j2", "tuning_spaces/avgpool2d_bwd.yaml",
-              "ckgen/data/instances.yaml", "ckgen/resources.py"):
+              "ckgen/data/instances.yaml", "ckgen/resources.py", "LICENSE"):
         assert f in names, f
+    links = set(re.findall(r"\]\(([^)#:]+)\)", (REPO / "README.md").read_text()))
+    assert links and "docs/architecture.md" in links
+    assert links <= names, f"the sdist lacks what README.md links: {sorted(links - names)}"
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                         "-w", str(tmp_path / "wheel"), str(sdist)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -284,6 +293,9 @@ def test_sdist_and_its_wheel_carry_the_data(tmp_path: Path) -> None:
     want |= {"ckgen/data/instances.yaml", "ckgen/ops/pool/max.py", "ckgen/types.py"}
     assert want <= inside, sorted(want - inside)
     assert not any(n.startswith(("templates/", "tuning_spaces/")) for n in inside)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in inside), "the wheel lacks the license"
+    metadata = zipfile.ZipFile(whl).read(next(n for n in inside if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata
 
 
 # ------------------------------------------------------------------ the GPU tier's install
@@ -321,3 +333,16 @@ def test_gpu_test_extra_covers_the_gpu_tier_and_keeps_a_cuda_torch() -> None:
             assert dist.get(m, m) in have, f"{path.name} imports {m}, which .[gpu-test] does not install"
     readme = (REPO / "README.md").read_text()
     assert 'pip install ".[gpu-test]"' in readme and "python3 -m pytest -m gpu" in readme
+
+
+def test_timm_is_added_without_replacing_the_cpu_torch() -> None:
+    """The timm tests' skip reason and the README give one install route, and it keeps the test
+    extra's CPU torch: timm without its dependencies (the `models` extra would pull a CUDA torch);
+    the others it needs come with the test extra."""
+    from _torchvision_standin import SKIP_NO_TIMM, TIMM_INSTALL
+
+    assert TIMM_INSTALL == "pip install --no-deps timm" and TIMM_INSTALL in SKIP_NO_TIMM
+    assert f"python3 -m {TIMM_INSTALL}" in " ".join((REPO / "README.md").read_text().split())
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "timm" not in _requirement_names(extras["test"])  # its torchvision pins a torch release

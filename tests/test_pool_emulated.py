@@ -12,6 +12,7 @@ import pytest
 from ckgen.ops import get_op
 from ckgen.ops.numeric import max_violation
 from ckgen.ops.pool import maxpool2d_reference
+from tiers import SWEEP
 
 pool_emu = pytest.importorskip("pool_emu")
 pytestmark = pytest.mark.skipif(pool_emu.compiler() is None, reason="no C++ compiler (clang++-19, clang++ or g++)")
@@ -74,6 +75,7 @@ def test_kernels_match_reference(case, layout):
     picked = [default] + r.sample(cfgs, 2)
     if op.backward:
         picked.append(r.choice([c for c in cfgs if c["algo"] == "scatter"]))
+    pool_emu.prebuild([(op, p, c) for c in picked])
     for c in picked:
         check(op, p, c, inputs)
 
@@ -112,10 +114,13 @@ def test_emulator_catches_a_wrong_kernel():
     assert got.shape != want.shape or max_violation(got, want, 0, 0) > 1
 
 
-def test_fast_paths_nchw_row_vectors_and_aligned_gather():
+@pytest.mark.parametrize("full", SWEEP)
+def test_fast_paths_nchw_row_vectors_and_aligned_gather(full):
     """The forward's NCHW row vectors (vector core plus single-element overhang, vector and
     scalar stores), the backward's stride-aligned gather and 2-D block patches (block_rows > 1),
-    on widths where the last tile is partial or the vector stores are misaligned, every dtype."""
+    on widths where the last tile is partial or the vector stores are misaligned, every dtype.
+    Every problem runs a fast-path config, one with block_rows > 1 and (backward) one reading x
+    rows as vectors; the quality tier runs two more fast-path configs of each."""
     rng = np.random.default_rng()
     t = pool_emu.EMU_TARGET
     geos = [dict(kernel=3, stride=2, padding=1), dict(kernel=2, stride=2), dict(kernel=3, stride=1, padding=1),
@@ -141,7 +146,7 @@ def test_fast_paths_nchw_row_vectors_and_aligned_gather():
                     fast = [c for c in cfgs if op.row_vec_elems(p, c) > 1 or c["tw"] >= 4]
                     n_vec += bool(fast) and layout == "nchw"
                 rr = random.Random(f"{name}{geo}{layout}")
-                picked = rr.sample(fast, min(3, len(fast)))
+                picked = rr.sample(fast, min(3 if full else 1, len(fast)))
                 picked += rr.sample([c for c in fast if c["block_rows"] > 1 and c not in picked], 1)
                 xf = [c for c in fast if op.backward and op.x_footprint(p, c) and op.row_vec_elems(p, c) > 1]
                 picked += rr.sample(xf, min(1, len(xf)))  # indices=None: x rows as vectors
@@ -171,7 +176,9 @@ def test_one_output_axis_with_a_small_stride(name, extra, layout):
         inputs = op.make_inputs(p, rng)
         t = pool_emu.EMU_TARGET
         cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
-        for c in [op.space.nearest_default(lambda c: bool(op.validate(p, c, t)))] + random.Random(name).sample(cfgs, 2):
+        picked = [op.space.nearest_default(lambda c: bool(op.validate(p, c, t)))] + random.Random(name).sample(cfgs, 2)
+        pool_emu.prebuild([(op, p, c) for c in picked])
+        for c in picked:
             check(op, p, c, inputs)
 
 
@@ -179,11 +186,14 @@ def test_one_output_axis_with_a_small_stride(name, extra, layout):
                                  dict(kernel=2, stride=2), dict(kernel=3, stride=1, padding=1, dilation=2),
                                  dict(kernel=(3, 2), stride=(2, 1), padding=(1, 0)), dict(kernel=5, stride=1, padding=2)],
                          ids=lambda g: "-".join(f"{k}{v}" for k, v in g.items()).replace(" ", ""))
-def test_smem_recompute_backward(geo):
+@pytest.mark.parametrize("full", SWEEP)
+def test_smem_recompute_backward(geo, full):
     """algo=smem (indices=None, NCHW): a block's outputs' argmax and dy in shared memory behind a
     barrier, then the aligned gather from there. Several blocks per plane (a block's first rows
     share covering outputs with the block above), one block per plane, partial last tiles and
-    blocks, every dtype, NaN / -inf / ties."""
+    blocks, every dtype, NaN / -inf / ties. Per dtype the fast tier runs the config with the
+    fewest rows per block and the one with the most; the quality tier the two with the fewest and
+    three others."""
     op = get_op("maxpool2d_bwd")
     rng = np.random.default_rng()
     t = pool_emu.EMU_TARGET
@@ -194,7 +204,8 @@ def test_smem_recompute_backward(geo):
         assert cfgs, p.key()
         r = random.Random(f"{geo}{dtype}")
         # the fewest rows per block (most blocks per plane, most shared covering outputs) and a few others
-        picked = sorted(cfgs, key=lambda c: (op.smem_rows(p, c), c["threads"]))[:2] + r.sample(cfgs, min(3, len(cfgs)))
+        by_rows = sorted(cfgs, key=lambda c: (op.smem_rows(p, c), c["threads"]))
+        picked = by_rows[:2] + r.sample(cfgs, min(3, len(cfgs))) if full else [by_rows[0], by_rows[-1]]
         inputs = specials(p, op.make_inputs(p, rng), rng)
         pool_emu.prebuild([(op, p, c) for c in picked])
         for c in picked:
@@ -214,3 +225,30 @@ def test_smem_is_checked_by_the_emulator():
     got = pool_emu.run(op, p, c, inputs)["dx"]
     want = op.reference(q, op.make_inputs(q, np.random.default_rng(0)))["dx"]
     assert max_violation(got, want, 0, 0) > 1
+
+
+def test_a_batch_built_emulator_is_the_one_built_alone(tmp_path, monkeypatch):
+    """`prebuild` puts several emulators (of different ops: different macros and helpers) in one
+    library, each in a namespace of its own; each runs exactly as it does built alone."""
+    rng = np.random.default_rng(3)
+    t = pool_emu.EMU_TARGET
+    jobs = []
+    for name, extra in [("maxpool2d_fwd", dict(return_indices=True)), ("avgpool2d_bwd", {}),
+                        ("maxpool2d_bwd", dict(indices="recompute"))]:
+        op = get_op(name)
+        p = op.parse_problem(N=1, C=8, H=9, W=10, dtype="bf16", layout="nchw", kernel=3, stride=2, padding=1, **extra)
+        cfgs = [c for c in op.space.enumerate() if op.validate(p, c, t)]
+        jobs += [(op, p, c) for c in random.Random(name).sample(cfgs, 2)]
+    monkeypatch.setattr(pool_emu.tempfile, "gettempdir", lambda: str(tmp_path))  # nothing built before
+    monkeypatch.setattr(pool_emu, "_cache", {})
+    pool_emu.prebuild(jobs)
+    assert len({id(pool_emu._cache[pool_emu._source(*j)[0]]) for j in jobs}) == 1, "one library for all"
+    for op, p, c in jobs:
+        inputs = op.make_inputs(p, rng)
+        batched = pool_emu.run(op, p, c, inputs)
+        digest, body, _ = pool_emu._source(op, p, c)
+        pool_emu._compile(tmp_path / "ckgen-pool-emu" / f"alone-{digest}.so", body)
+        pool_emu._cache[digest] = pool_emu.ctypes.CDLL(str(tmp_path / "ckgen-pool-emu" / f"alone-{digest}.so"))
+        alone = pool_emu.run(op, p, c, inputs)
+        for k in batched:
+            np.testing.assert_array_equal(batched[k], alone[k], err_msg=f"{op.name} {k}")

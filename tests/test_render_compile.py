@@ -1,6 +1,8 @@
 """CPU tests: every dtype x layout x activation renders for CUDA and HIP targets and the CUDA
-renders compile offline with NVRTC (no GPU needed). Checked against the OpSpec contract
-(instance names, kernel symbol, header), not against template details."""
+renders compile offline with NVRTC (no GPU needed): in the fast tier each combination's default
+(or nearest valid) config for sm_90 and sm_80, in the quality tier SAMPLES more per combination
+and shape as well. Checked against the OpSpec contract (instance names, kernel symbol, header),
+not against template details."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -20,6 +22,7 @@ from ckgen.runtime.compile import Binary, CompileError, compile_offline
 from ckgen.instance import InvalidConfig, render_instance
 from ckgen.ops import get_op
 from ckgen.ops.spec import Config, Target
+from tiers import SWEEP
 
 OP = get_op("groupnorm_fwd")
 DTYPES = ("fp32", "fp16", "bf16")
@@ -190,13 +193,16 @@ def test_bf16_rounding_is_one_instruction_on_cuda_only() -> None:
 # ------------------------------------------------------------------ offline compile (NVRTC)
 
 
+@pytest.mark.parametrize("full", SWEEP)
 @pytest.mark.parametrize("combo", COMBOS, ids=_id)
-def test_compile_offline_sm90_and_sm80(combo) -> None:
+def test_compile_offline_sm90_and_sm80(combo, full: bool) -> None:
+    """The fast tier: the default (or nearest valid) config of each shape; the quality tier: the
+    SAMPLES random valid configs too (sm_80: SM80_COMPILES_PER_COMBO in all)."""
     for arch, limit in (("sm_90", None), ("sm_80", SM80_COMPILES_PER_COMBO // len(SHAPES))):
         srcs = []
         for shape in SHAPES:
             p = _problem(*combo, shape)
-            configs = _configs(p, arch)[:limit]
+            configs = _configs(p, arch)[:limit if full else 1]
             if arch == "sm_80":
                 assert all(c["cluster"] == 1 for c in configs)
             srcs += [_render(p, c, arch) for c in configs]

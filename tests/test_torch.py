@@ -270,9 +270,11 @@ def test_strided_opcheck_and_gradients():
     torch.testing.assert_close(xs.grad, xd.grad)
 
 
+@pytest.mark.quality  # Inductor's first CPU compile in a process costs ~20 CPU-seconds (its C++ toolchain)
 @pytest.mark.parametrize("view", ["crop", "transpose", "expand"])
 def test_compile_inductor_passes_views_to_the_ops(view, route_cpu):
-    """torch.compile (Inductor, CPU) of code that feeds the ops a view: compiles, runs and matches eager."""
+    """torch.compile (Inductor, CPU) of code that feeds the ops a view: compiles, runs and matches
+    eager. The quality tier's: the fast tier traces the same ops with aot_eager."""
     torch._dynamo.reset()
 
     def f(base, g):
@@ -384,15 +386,44 @@ def test_groupnorm_gradcheck(layout, act, affine):
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_pool_gradcheck(layout):
+    """fast_mode: the Jacobian against the numerical one along random directions (two function
+    calls per direction, not two per input element: the full check took 20 CPU-seconds); a wrong
+    gradient element moves the projection all the same."""
     x = _distinct((2, 3, 7, 6), torch.float64, layout).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: torch.ops.ckgen.maxpool2d_fwd(t, [3, 3], [2, 2], [1, 1], [1, 1], True),
-                                    (x,), eps=1e-7)
+                                    (x,), eps=1e-7, fast_mode=True)
     assert torch.autograd.gradcheck(
-        lambda t: torch.ops.ckgen.maxpool2d_fwd_with_indices(t, [2, 2], [1, 2], [0, 1], [2, 1], False)[0], (x,), eps=1e-7)
+        lambda t: torch.ops.ckgen.maxpool2d_fwd_with_indices(t, [2, 2], [1, 2], [0, 1], [2, 1], False)[0], (x,), eps=1e-7,
+        fast_mode=True)
     assert torch.autograd.gradcheck(
-        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 2], [2, 1], [1, 1], True, False, None), (x,))
+        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 2], [2, 1], [1, 1], True, False, None), (x,), fast_mode=True)
     assert torch.autograd.gradcheck(
-        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, 5), (x,))
+        lambda t: torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, 5), (x,), fast_mode=True)
+
+
+def test_pool_gradcheck_fails_on_a_wrong_gradient():
+    """The fast mode finds one wrong gradient element."""
+    x = _distinct((2, 3, 7, 6), torch.float64, "nchw").requires_grad_(True)
+
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, None)
+
+        @staticmethod
+        def backward(ctx, g):
+            with torch.enable_grad():  # the op's own gradient, then one element of it off
+                t = x.detach().requires_grad_(True)
+                (gx,) = torch.autograd.grad(torch.ops.ckgen.avgpool2d_fwd(t, [3, 3], [2, 2], [1, 1], False, True, None),
+                                            t, g)
+            gx = gx.clone()
+            gx.view(-1)[17] += 1e-3
+            return gx
+
+    from torch.autograd.gradcheck import GradcheckError
+
+    with pytest.raises(GradcheckError):
+        torch.autograd.gradcheck(Wrong.apply, (x,), fast_mode=True)
 
 
 @pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True), (False, True, False),
@@ -754,6 +785,11 @@ def test_convert_replaces_fuses_and_reports(route_cpu):
     assert "8.1" in left and "runs as PyTorch's SiLU" in left["8.1"].reason
     assert report.counts()["GroupNorm -> GroupNormSwish"] == 3
     assert "replaced" in text and "left" in text and "5.norm" in text
+    # in the model's module order, whichever pass (Sequential fusions, patterns, plain) made them
+    order = [n for n, _ in ref.named_modules(remove_duplicate=False)]
+    for rows in (report.replaced, report.left):
+        assert [order.index(e.name) for e in rows] == sorted(order.index(e.name) for e in rows), rows
+    assert [e.name for e in report.replaced][:3] == ["1", "2", "3"]
     # parameters and buffers kept: same objects, same keys; the optimizer built before still works
     assert {n: p for n, p in model.named_parameters()} == params_before
     assert all(p is params_before[n] for n, p in model.named_parameters())
@@ -901,8 +937,9 @@ def _small_model():
                          ResBlock(16), nn.AvgPool2d(2), nn.GroupNorm(4, 16), nn.Flatten(), nn.Linear(16 * 16, 4))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.quality)])
 def test_compile_fullgraph_trains_like_eager(backend, route_cpu):
+    """Inductor's run is the quality tier's (its C++ compiles take seconds): see the views test."""
     torch._dynamo.reset()
     ref = _small_model()
     model = copy.deepcopy(ref)

@@ -27,6 +27,9 @@ from ckgen.types import Config
 
 States = optuna.trial.TrialState
 TRIALS = wtimes.SUBSET  # each problem's whole subset: every run, of any worker count, finds its best
+# 4 of the 8 problems, where more would only cost CPU time: each of 4 workers still gets one at the
+# start, and the others' are taken over (a killed worker's, the second machine's share)
+HALF = wtimes.KEYS[:4]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,8 @@ def pg():
     server.stop()
 
 
-def spec_for(url: str, tmp: Path, name: str, trials: int = TRIALS, delay: float = 0.05, **kw) -> wk.RunSpec:
+def spec_for(url: str, tmp: Path, name: str, trials: int = TRIALS, delay: float = 0.05,
+             keys: list[str] = wtimes.KEYS, **kw) -> wk.RunSpec:
     logs = tmp / f"log-{name}"
     logs.mkdir()
     backend = ReplayBackend(wtimes.time_of, wtimes.restrict_to, delay=delay, log_dir=str(logs))
@@ -53,7 +57,7 @@ def spec_for(url: str, tmp: Path, name: str, trials: int = TRIALS, delay: float 
     # beats long, so a live worker on a loaded machine is not taken for dead.
     kw.setdefault("heartbeat_s", 1)
     kw.setdefault("grace_s", 4)
-    return wk.RunSpec("maxpool2d_fwd", tuple(wtimes.KEYS), trials, url, db=str(tmp / f"{name}.yaml"),
+    return wk.RunSpec("maxpool2d_fwd", tuple(keys), trials, url, db=str(tmp / f"{name}.yaml"),
                       backend=backend, poll_s=0.2, **kw)
 
 
@@ -128,7 +132,7 @@ def test_four_workers_on_postgresql_tune_8_problems_like_one_worker(pg, tmp_path
 
 def test_a_worker_killed_mid_run_loses_only_its_running_trial(pg, tmp_path):
     url = pg.create_db()
-    spec = spec_for(url, tmp_path, "kill", delay=0.15)
+    spec = spec_for(url, tmp_path, "kill", delay=0.15, keys=HALF)
     victim: dict[str, int] = {}
 
     def on_event(ev, procs):
@@ -155,7 +159,7 @@ def test_a_worker_killed_mid_run_loses_only_its_running_trial(pg, tmp_path):
     finished = {(key, Config.of(t.params).key()) for key, ts in per.items() for t in ts
                 if t.user_attrs[wk.WORKER_ATTR].endswith(f":{victim['pid']}") and wk._counted(t)}
     assert len(finished) >= 3 and not finished & twice
-    assert winners(report) == {k: expected_winner(k) for k in wtimes.KEYS}
+    assert winners(report) == {k: expected_winner(k) for k in HALF}
 
 
 def test_a_second_machine_joins_the_run(pg, tmp_path):
@@ -164,7 +168,7 @@ def test_a_second_machine_joins_the_run(pg, tmp_path):
     import threading
 
     url = pg.create_db()
-    a, b = spec_for(url, tmp_path, "a"), None
+    a, b = spec_for(url, tmp_path, "a", keys=HALF), None
     b = wk.RunSpec(**{**a.__dict__, "db": str(tmp_path / "b.yaml")})
     reports = {}
     threads = [threading.Thread(target=lambda n, s: reports.__setitem__(n, wk.run_workers(s, 2)), args=(n, s))
@@ -176,9 +180,9 @@ def test_a_second_machine_joins_the_run(pg, tmp_path):
     runs = {w.run_id for r in reports.values() for w in r.workers}
     assert len(runs) == 1
     check_budget(a, reports["a"])
-    assert winners(reports["a"]) == winners(reports["b"]) == {k: expected_winner(k) for k in wtimes.KEYS}
+    assert winners(reports["a"]) == winners(reports["b"]) == {k: expected_winner(k) for k in HALF}
     written = [e.problem for f in (a.db, b.db) if Path(f).exists() for e in dbmod.InstanceDB.load(f).entries]
-    assert sorted(written) == sorted(wtimes.KEYS)  # each winner written once, by the machine that finalized it
+    assert sorted(written) == sorted(HALF)  # each winner written once, by the machine that finalized it
 
 
 def test_budgets_hold_for_the_run_and_a_finished_run_is_not_joined(tmp_path):

@@ -1,18 +1,17 @@
 """Register need of the pooling kernels against the validators' estimate (`_regs_needed`), offline:
 every (vec_bytes, tw, th[, algo]) of a set of problems compiled at 64 threads and 1 block/SM (a cap
 of 255 registers) with NVRTC and `ptxas -v`; one JSON line per kernel (registers, spill bytes, the
-estimate) appended to bench/results/logs/pool-regs-sm90-nvrtc.jsonl, resuming where it stopped.
+estimate) appended to bench/results/logs/pool-regs-sm90-nvrtc.jsonl (not kept in git: this script
+regenerates it, no GPU needed), resuming where it stopped.
 
     PYTHONPATH=. python3 tools/pool-regs-study.py [WORKERS]
 
-Finding (issue 11, 2026-11-25, fp32 both layouts so far): the NHWC forward kernels need 2-4x the
-estimate (max pool median 2.1x, avg pool 2.2x; the loads-first footprint row is counted as 2
-vectors, it holds ((tw-1)*stride + kernel) of them), so the validator admits configs that spill:
-the held-out max pool 32x512x13x13 k3s1 bf16 NHWC's pick (t256 v16 ow2 oh2 br2 m2) needs 191
-registers against its cap of 128 and spills, and runs 2.3x its own best. NCHW and backward
-estimates are within 0.4-1.3x. Fixed the same day: the NHWC forward estimate now counts
-min(FR, 3) footprint rows of FC input vectors (ops/pool/base.py `_fwd_regs`), calibrated on every
-recorded instance at its own launch bounds (tools/pool-spill-study.py)."""
+What it showed (fp32, both layouts): the NHWC forward kernels needed 2-4x the estimate then in use
+(max pool median 2.1x, avg pool 2.2x: the loads-first footprint row was counted as 2 vectors, it
+holds ((tw-1)*stride + kernel) of them), so the validator admitted configs that spill. The NHWC
+forward estimate now counts min(FR, 3) footprint rows of FC input vectors (ops/pool/base.py
+`_fwd_regs`), calibrated on every recorded instance at its own launch bounds
+(tools/pool-spill-study.py, whose output tests/test_pool_regs.py reads)."""
 import json, sys, itertools, concurrent.futures as cf
 sys.path.insert(0, '.')
 from ckgen.ops import get_op
@@ -61,6 +60,7 @@ for name, pkw in PROBS:
         except Exception:
             pass
 import os
+os.makedirs('bench/results/logs', exist_ok=True)
 done = set()
 if os.path.exists('bench/results/logs/pool-regs-sm90-nvrtc.jsonl'):
     for l in open('bench/results/logs/pool-regs-sm90-nvrtc.jsonl'):

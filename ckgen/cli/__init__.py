@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import math
 import os
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -162,6 +162,9 @@ def _no_gpu(why: str) -> UsageError:
     return UsageError(f"no usable GPU ({why})")
 
 
+TICK_S = 5.0  # without bars, the longest silence within a step (`_Steps.tick`)
+
+
 class _Steps:
     """Progress over a run's steps on `out`: rich bars on a terminal; anywhere else (a log file,
     a pipe) no bars, but one line per finished step (`done`), whole and never wrapped, so that a
@@ -173,6 +176,7 @@ class _Steps:
         self.out = out
         self.live = out.is_terminal
         self.bar = Progress(*columns, console=out) if self.live else None
+        self._last = time.monotonic()
 
     def __enter__(self) -> "_Steps":
         if self.bar is not None:
@@ -194,6 +198,13 @@ class _Steps:
         """A finished step: its line when there are no bars (the bars show it otherwise)."""
         if self.bar is None:
             self.out.print(line, markup=False, highlight=False, soft_wrap=True)
+            self._last = time.monotonic()
+
+    def tick(self, line: Callable[[], str]) -> None:
+        """Progress within a step: without bars, `line()` when TICK_S seconds have passed since
+        the last line, so a log or a pipe is never silent for long."""
+        if self.bar is None and time.monotonic() - self._last >= TICK_S:
+            self.done(line())
 
 
 def _counted(k: int, n: int) -> str:
@@ -454,24 +465,26 @@ def _untuned(op: Any, args: argparse.Namespace, problems: list[Any], arch: str) 
 
 
 def _tune_list(op: Any, args: argparse.Namespace, problems: list[Any]) -> int:
-    """`ckgen tune OP --list`: the op's grids (name, problems, what they cover); with --grid or
-    --shape, the problems that command would tune. Nothing is tuned; no GPU is needed."""
+    """`ckgen tune OP --list`: the problems the same command without --list would tune (the
+    default problems, a grid's, or --shape's), then, without --grid/--shape, the op's other
+    problem lists (its grids). Nothing is tuned; no GPU is needed."""
     fmt = resolve(args.format, console)
-    if args.grid is None and not args.shape:
-        sheet = Sheet("grids", f"problem grids of {op.name} ({op.space_file()}; ckgen tune {op.name} "
-                               "--grid NAME --list shows one)",
-                      (Col("grid", ident=True), Col("problems", number=True), Col("about")))
-        acts = [args.activation] if getattr(args, "activation", None) else None
-        for name in op.grid_names():
-            sheet.add(name, len(op.grid_problems(name, args.dtype, args.layout, acts)), op.grid_about(name))
-        emit(console, fmt, [sheet], {"op": op.name})
-        return 0
-    what = f"grid {args.grid}" if args.grid else "--shape"
+    what = (f"grid {args.grid}" if args.grid else "--shape" if args.shape
+            else f"the default problems (`ckgen tune {op.name}` tunes these)")
     sheet = Sheet("problems", f"{op.name}, {what}: {plural(len(problems), 'problem')}",
                   (Col("problem", ident=True, wide=True),))
     for p in problems:
         sheet.add(p.key())
-    emit(console, fmt, [sheet], {"op": op.name, "grid": args.grid})
+    sheets = [sheet]
+    if args.grid is None and not args.shape:
+        grids = Sheet("grids", f"problem grids of {op.name} ({op.space_file()}; ckgen tune {op.name} "
+                               "--grid NAME --list shows one)",
+                      (Col("grid", ident=True), Col("problems", number=True), Col("about")))
+        acts = [args.activation] if getattr(args, "activation", None) else None
+        for name in op.grid_names():
+            grids.add(name, len(op.grid_problems(name, args.dtype, args.layout, acts)), op.grid_about(name))
+        sheets.append(grids)
+    emit(console, fmt, sheets, {"op": op.name, "grid": args.grid})
     return 0
 
 
@@ -615,10 +628,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         Col("problem", ident=True, wide=True), Col("instance", ident=True, wide=True), Col("source"),
         Col("reason", fmt=printable)))
     failed = 0
-    log = logging.getLogger("ckgen")
-    level = log.level
-    log.setLevel(logging.ERROR)  # the dispatcher's once-per-problem notice: the table says it
-    try:
+    with dispatcher().asked():  # the dispatcher's once-per-problem notice: the table says it
         for p in problems:
             try:
                 c = dispatcher().choose(op, p, target)[0]
@@ -627,8 +637,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 failed += 1
                 continue
             sheet.add(c.problem, c.instance, c.source, c.reason)
-    finally:
-        log.setLevel(level)
     emit(console, fmt, [sheet], {"op": op.name, "arch": target.arch})
     return 1 if failed else 0
 
@@ -698,11 +706,28 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _summary_sheet(user: Any, layered: Any) -> Sheet:
+    """The entries in use per (op, arch), by origin: `db show`'s first screen."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    for e in layered.entries:
+        counts.setdefault((e.op, e.arch), [0, 0])[0 if user.lookup(*e.ident) is e else 1] += 1
+    sheet = Sheet("ops", f"instance DB: {plural(len(layered.entries), 'entry', 'entries')} in use (the entries: "
+                         "ckgen db show --op NAME, or --all)", (
+        Col("op", ident=True), Col("arch", ident=True, fmt=printable), Col("entries", number=True),
+        Col("user", number=True), Col("shipped", number=True)))
+    for (op, arch), (u, s) in sorted(counts.items()):
+        sheet.add(op, arch, u + s, u, s)
+    return sheet
+
+
 def cmd_db_show(args: argparse.Namespace) -> int:
+    """The DB in use: per op and arch, how many entries (user, shipped); the entries themselves
+    with --op NAME (one op's) or --all (the shipped DB alone holds over a thousand)."""
     op = args.op
     _op_option(op)
     _, user, _, layered = _layers(args)
-    emit(console, resolve(args.format, console), [_entries_sheet(user, layered, op)])
+    sheet = _entries_sheet(user, layered, op) if op or args.all else _summary_sheet(user, layered)
+    emit(console, resolve(args.format, console), [sheet])
     return 0
 
 
@@ -759,10 +784,14 @@ def cmd_db_merge(args: argparse.Namespace) -> int:
     """Merge DB files: per (op, arch, problem), the verified then faster entry; ties by date."""
     from ..runtime import db as dbmod
 
-    out = Path(args.output)
-    why = dbmod.destination_problem(out)  # up front: not after minutes of verifying, nor a 60 s lock wait
-    if why:
-        raise UsageError(f"-o: {out} {why}")
+    if args.output is None:  # into the user DB: --db, $CKGEN_DB or the cache dir's, checked as a destination
+        out = _user_db(args, write=True)
+    else:
+        out = Path(args.output)
+        why = dbmod.destination_problem(out)  # up front: not after minutes of verifying, nor a 60 s lock wait
+        if why:
+            raise UsageError(f"-o: {out} {why}")
+        _user_db(args)  # not written, but checked as every command checks it
     dbs = []
     for name in args.dbs:
         path = Path(name)
@@ -911,7 +940,9 @@ def _check_out_folder(out: Path, check: bool) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import tempfile
+    """`ckgen generate`: render the library's instances, write them under --out as a whole
+    (staged, then swapped in under a lock: `library.publish`), build them offline (an unchanged
+    instance reuses its kept report), and print a summary per target."""
     import time
 
     from ..offline import library
@@ -928,55 +959,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ops = _ops_option(args.ops)
     out = Path(args.out)
     _check_out_folder(out, args.check)  # before the plan, which takes a while
+    if not args.check:
+        for t in targets:  # a link where an arch folder goes: said now, not after the build (publish checks again)
+            try:
+                library.arch_folder(out, t)
+            except ValueError as e:
+                raise UsageError(f"--out: {e}") from None
     _, _, _, layered = _layers(args)  # the user DB over the shipped one, as every command reads them
+    fmt = resolve(args.format, console)
+    info = _info(fmt)
     start = time.monotonic()
-    instances = _render(library, targets, ops, layered, from_db=not args.defaults)
+    instances = _render(library, targets, ops, layered, info, from_db=not args.defaults)
     rendered_s = time.monotonic() - start
     n = plural(len(instances), "instance")
     if args.check:  # regenerate into a temp folder and compare with `out`
-        with tempfile.TemporaryDirectory() as d:
-            library.write(instances, Path(d))
-            diff = library.drift(out, Path(d), targets, ops)
-        if diff:
-            err.print(f"ckgen generate --check: {out} is out of date ({plural(len(diff), 'file')} differ"
-                      f"{'s' if len(diff) == 1 else ''}, e.g. {', '.join(diff[:3])}); run `ckgen generate` with "
-                      "the same options and commit", markup=False)
-            return 1
-        console.print(f"{out}: up to date ({n})", markup=False)
-        return 0
-    try:
-        for t in targets:  # the target's folders of these ops are rewritten whole: no stale instances stay behind
-            library.clear_target(out, t, ops)
-    except ValueError as e:
-        raise UsageError(f"--out: {e}") from None
-    library.write(instances, out)
-    console.print(f"wrote {n} for {', '.join(targets)} under {out}", markup=False)
+        try:
+            return _generate_check(library, out, instances, targets, ops)
+        except library.WriteError as e:  # the temp folder's disk is full
+            raise UsageError(str(e)) from None
     summary = Sheet("targets", "", (Col("target", ident=True), Col("instances", number=True),
                                     Col("built", number=True), Col("failed", number=True),
                                     Col("not_built", "not built", number=True)))
     per = {t: [0, 0, 0, 0] for t in targets}  # instances, built, failed, not built
     for i in instances:
         per[i.target.arch][0] += 1
+    built: list[Any] = []
+    skipped = 0
+    stage = out
+    try:
+        with library.staging(out) as stage:
+            library.write(instances, stage)
+            if not args.no_compile:
+                build_start = time.monotonic()
+                built, skipped = _build_where_we_can(library, instances, targets, args.jobs, info)
+                build_s = time.monotonic() - build_start
+                library.write_reports(built, stage)
+            library.publish(stage, out, targets, ops)
+        info.print(f"wrote {n} for {', '.join(targets)} under {out}", markup=False)
+    except library.WriteError as e:  # named where it was going, not in the staging folder (gone now)
+        shown = out / e.path.relative_to(stage) if e.path.is_relative_to(stage) and e.path != stage else e.path
+        raise UsageError(str(library.WriteError(shown, e.error))) from None
+    except ValueError as e:  # publish's refusals: a link or a folder not ours where the library goes
+        raise UsageError(f"--out: {e}") from None
     if args.no_compile:
         for t, row in per.items():
             summary.add(t, row[0], 0, 0, row[0])
-        summary.title = (f"{n} rendered in {rendered_s:.0f} s, not built (--no-compile), under {out}")
-        emit(console, "table", [summary])
+        summary.title = f"{n} rendered in {rendered_s:.0f} s, not built (--no-compile), under {out}"
+        emit(console, fmt, [summary], {"out": str(out)})
         return 0
-    vendors = sorted({Target.named(t).vendor for t in targets})
-    missing = {v: why for v in vendors if (why := library.toolchain_missing(v))}
-    for vendor, why in missing.items():
-        archs = [t for t in targets if Target.named(t).vendor == vendor]
-        skipped = sum(1 for i in instances if i.target.vendor == vendor)
-        what = (f"no HIP toolchain ({why}); {library.HIP_TOOLCHAIN_HINT}" if vendor == "hip"
-                else f"no NVRTC ({why})")
-        err.print(f"ckgen generate: not built for {', '.join(archs)} ({plural(skipped, 'instance')}): {what}",
-                  markup=False)
-    todo = [i for i in instances if i.target.vendor not in missing]
-    build_start = time.monotonic()
-    built = _build(library, todo, args.jobs)
-    build_s = time.monotonic() - build_start
-    library.write_reports(built, out)
     failed = [b for b in built if not b.ok]
     for b in failed:
         err.print(f"FAILED {b.instance.target.arch} {b.instance.source.name}:\n{b.message}", markup=False)
@@ -984,13 +1014,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
         per[b.instance.target.arch][1 if b.ok else 2] += 1
     for t, row in per.items():
         summary.add(t, row[0], row[1], row[2], row[0] - row[1] - row[2])
-    skipped = len(instances) - len(todo)
     summary.title = (f"{n} under {out} in {time.monotonic() - start:.0f} s (rendering {rendered_s:.0f} s, "
                      f"building {build_s:.0f} s)")
-    emit(console, "table", [summary])
-    console.print(f"built {len(built) - len(failed)} of {n}" + (f"; {len(failed)} failed" if failed else "")
-                  + (f"; {skipped} not built (no toolchain)" if skipped else ""), markup=False)
+    emit(console, fmt, [summary], {"out": str(out)})
+    info.print(f"built {len(built) - len(failed)} of {n}" + (f"; {len(failed)} failed" if failed else "")
+               + (f"; {skipped} not built (no toolchain)" if skipped else ""), markup=False)
     return 1 if failed or skipped else 0
+
+
+def _build_where_we_can(library: Any, instances: list[Any], targets: list[str], jobs: int | None,
+                        info: Console) -> tuple[list[Any], int]:
+    """The instances built (`_build`) for the targets whose toolchain is here; one line per
+    vendor whose toolchain is missing. Returns (the builds, how many instances were not built)."""
+    from ..types import Target
+
+    vendors = sorted({Target.named(t).vendor for t in targets})
+    missing = {v: why for v in vendors if (why := library.toolchain_missing(v))}
+    for vendor, why in missing.items():
+        archs = [t for t in targets if Target.named(t).vendor == vendor]
+        count = sum(1 for i in instances if i.target.vendor == vendor)
+        what = f"no HIP toolchain ({why}); {library.HIP_TOOLCHAIN_HINT}" if vendor == "hip" else f"no NVRTC ({why})"
+        err.print(f"ckgen generate: not built for {', '.join(archs)} ({plural(count, 'instance')}): {what}",
+                  markup=False)
+    todo = [i for i in instances if i.target.vendor not in missing]
+    return _build(library, todo, jobs, info), len(instances) - len(todo)
+
+
+def _generate_check(library: Any, out: Path, instances: list[Any], targets: list[str], ops: list[str] | None) -> int:
+    """generate --check: the manifests under `out` against a fresh render's, and the sources
+    where `out` holds them (git keeps only the manifests)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        library.write(instances, Path(d) / "lib")
+        diff = library.drift(out, Path(d) / "lib", targets, ops)
+    diff += library.source_drift(out, instances)
+    if diff:
+        err.print(f"ckgen generate --check: {out} is out of date ({plural(len(diff), 'file')} differ"
+                  f"{'s' if len(diff) == 1 else ''}, e.g. {', '.join(diff[:3])}); run `ckgen generate` with "
+                  "the same options (and commit the manifests)", markup=False)
+        return 1
+    sources = any(p.suffix in (".cu", ".hip") for i in instances for p in [out / i.target.arch / i.op / i.file]
+                  if p.is_file())
+    console.print(f"{out}: up to date ({plural(len(instances), 'instance')}; manifests"
+                  + (" and sources" if sources else ", no sources there to compare") + ")", markup=False)
+    return 0
 
 
 def _step_columns() -> tuple[Any, ...]:
@@ -999,9 +1067,10 @@ def _step_columns() -> tuple[Any, ...]:
     return (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
 
-def _render(library: Any, targets: list[str], ops: list[str] | None, db: Any, *, from_db: bool) -> list[Any]:
-    """library.plan with progress: a bar over every (target, problem) on a terminal, else a line
-    per rendered (target, op)."""
+def _render(library: Any, targets: list[str], ops: list[str] | None, db: Any, out: Console, *,
+            from_db: bool) -> list[Any]:
+    """library.plan with progress on `out`: a bar over every (target, problem) on a terminal,
+    else a line per rendered (target, op) and, in between, one every few seconds."""
     import time
 
     from ..ops import all_ops, get_op
@@ -1010,7 +1079,7 @@ def _render(library: Any, targets: list[str], ops: list[str] | None, db: Any, *,
     sizes = {o.name: len(library.problems(o, db)) for o in specs}
     steps = len(targets) * len(specs)
     state = {"step": 0, "t0": time.monotonic()}
-    with _Steps(console, *_step_columns()) as bar:
+    with _Steps(out, *_step_columns()) as bar:
         task = bar.add_task("rendering", total=len(targets) * sum(sizes.values()))
 
         def progress(arch: str, op: str, done: int, total: int) -> None:
@@ -1023,15 +1092,18 @@ def _render(library: Any, targets: list[str], ops: list[str] | None, db: Any, *,
                 state["step"] += 1
                 bar.done(f"{_counted(state['step'], steps)} rendered {arch} {op}: {plural(total, 'problem')} "
                          f"({time.monotonic() - state['t0']:.1f} s)")
+            else:
+                bar.tick(lambda: f"{_counted(state['step'] + 1, steps)} rendering {arch} {op}: {done} of "
+                                 f"{plural(total, 'problem')} ({time.monotonic() - state['t0']:.0f} s)")
 
         instances = library.plan(targets, ops, from_db=from_db, db=db, progress=progress)
         bar.update(task, description="rendered")
     return instances
 
 
-def _build(library: Any, todo: list[Any], jobs: int | None) -> list[Any]:
-    """library.build with progress: a bar over the instances on a terminal, else a line per
-    built (target, op)."""
+def _build(library: Any, todo: list[Any], jobs: int | None, out: Console) -> list[Any]:
+    """library.build (reusing kept reports) with progress on `out`: a bar over the instances on a
+    terminal, else a line per built (target, op) and, in between, one every few seconds."""
     import threading
     import time
 
@@ -1039,13 +1111,14 @@ def _build(library: Any, todo: list[Any], jobs: int | None) -> list[Any]:
     for i in todo:
         groups[(i.target.arch, i.op)] = groups.get((i.target.arch, i.op), 0) + 1
     seen: dict[tuple[str, str], list[int]] = {}
-    lock, t0, finished = threading.Lock(), time.monotonic(), [0]
-    with _Steps(console, *_step_columns()) as bar:
+    lock, t0, finished, count = threading.Lock(), time.monotonic(), [0], [0]
+    with _Steps(out, *_step_columns()) as bar:
         task = bar.add_task("building", total=len(todo))
 
         def progress(b: Any) -> None:
             key = (b.instance.target.arch, b.instance.op)
             with lock:
+                count[0] += 1
                 bar.update(task, advance=1, description=f"building ({key[0]} {key[1]})")
                 got = seen.setdefault(key, [0, 0])
                 got[0 if b.ok else 1] += 1
@@ -1054,8 +1127,11 @@ def _build(library: Any, todo: list[Any], jobs: int | None) -> list[Any]:
                     bar.done(f"{_counted(finished[0], len(groups))} built {key[0]} {key[1]}: {got[0]} of "
                              f"{plural(groups[key], 'instance')}" + (f", {got[1]} failed" if got[1] else "")
                              + f" (after {time.monotonic() - t0:.0f} s)")
+                else:
+                    bar.tick(lambda: f"building: {count[0]} of {plural(len(todo), 'instance')} "
+                                     f"(after {time.monotonic() - t0:.0f} s)")
 
-        built = library.build(todo, jobs, progress=progress)
+        built = library.build(todo, jobs, progress=progress, reuse=True)
         bar.update(task, description="built")
     return built
 
@@ -1149,15 +1225,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"--ops: ckgen bench has no suite for {', '.join(missing)}")
     db_path = _user_db(args) if getattr(args, "db", None) else None
+    from ..runtime.target import gpu_status
+
+    why = gpu_status()  # first: it answers at once, where importing PyTorch takes seconds
+    if why:
+        raise _no_gpu(why)
     try:
         __import__("torch")  # the comparison runs PyTorch's ops
     except ImportError:
         raise UsageError("needs PyTorch (pip install 'ckgen[torch]')") from None
-    from ..runtime.target import gpu_status
-
-    why = gpu_status()
-    if why:
-        raise _no_gpu(why)
     from ..offline.opbench import run
 
     if db_path is not None:  # the user DB the dispatcher reads
@@ -1173,8 +1249,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ the parser
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help, with a description's paragraphs (separated by an empty line) kept apart
+    and each wrapped to the terminal's width ($COLUMNS), as the options are."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(textwrap.fill(" ".join(par.split()), width, initial_indent=indent,
+                                          subsequent_indent=indent) for par in text.split("\n\n"))
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (not the usage block) and exit code 2."""
+    """argparse, with its errors as one line (not the usage block) and exit code 2; every
+    subcommand's help is formatted by `_Formatter`."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kw)
 
     def error(self, message: str) -> Any:
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help` for usage)\n")
@@ -1253,11 +1343,11 @@ def parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "tune", help="tune an op's problems on this GPU and record winners in the DB",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Tune OP's problems on this GPU; each winner goes into the user DB.\n\n"
-        + textwrap.fill(f"ops: {', '.join(op_names)}", 90, subsequent_indent="     ") + "\n\n"
+                    f"ops: {', '.join(op_names)}\n\n"
                     "Without --shape, the op's default problems (its tuning space's list, for every dtype and "
-                    "layout\nunless --dtype/--layout narrow it). With --shape, one problem per dtype x layout.")
+                    "layout unless --dtype/--layout narrow it; --list shows them). With --shape, one problem per "
+                    "dtype x layout.")
     t.add_argument("op", metavar="OP", choices=op_names, help=f"the op to tune: one of {', '.join(op_names)}")
     _problem_options(t)
     t.add_argument("--list", action="store_true",
@@ -1286,7 +1376,12 @@ def parser() -> argparse.ArgumentParser:
                                    "without a GPU, --arch is needed)")
     _common(ex, "ckgen explain", cmd_explain, fmt=True)
 
-    g = sub.add_parser("generate", help="write and build the instance library for targets (no GPU needed)")
+    g = sub.add_parser("generate", help="write and build the instance library for targets (no GPU needed)",
+                       description="Write the instance library under --out: per target arch and op, the sources "
+                                   "of the instances the DB's problems use (their tuned winners, else defaults), a "
+                                   "manifest.yaml with each render's sha256, and report.yaml with what the offline "
+                                   "build said (NVRTC for CUDA, clang for HIP; registers, spills). Instances whose "
+                                   "source did not change since the last run reuse their build. No GPU needed.")
     g.add_argument("--target", default="sm_80,sm_90,gfx90a,gfx942,gfx1100",
                    help="comma-separated archs (default: sm_80,sm_90,gfx90a,gfx942,gfx1100)")
     g.add_argument("--ops", help="comma-separated ops (default: all)")
@@ -1295,17 +1390,25 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--defaults", action="store_true", help="the default config for each default problem")
     g.add_argument("--out", default="generated", help="library folder (default: generated)")
     g.add_argument("--no-compile", action="store_true", help="write sources and manifests only")
-    g.add_argument("--check", action="store_true", help="fail if --out differs from a fresh generation")
+    g.add_argument("--check", action="store_true",
+                   help="write nothing; fail if --out differs from a fresh generation: its manifests, and its "
+                        "sources where it holds them (default: off)")
     g.add_argument("--jobs", type=_positive_int, help="parallel compiles (default: the CPU count)")
-    _common(g, "ckgen generate", cmd_generate)
+    _common(g, "ckgen generate", cmd_generate, fmt=True)
 
-    rt = sub.add_parser("retune", help="re-tune every DB problem tuned on another arch, on this GPU")
+    rt = sub.add_parser("retune", help="re-tune every DB problem tuned on another arch, on this GPU",
+                        description="Re-tune, on this GPU, every DB problem that has an entry for another arch "
+                                    "but none for this one (--from-arch: only those tuned on that arch), starting "
+                                    "from the other arch's winner; the new winners go into the user DB.")
     rt.add_argument("--from-arch", help="only problems tuned on this arch (default: any other)")
     rt.add_argument("--ops", help="comma-separated ops (default: all)")
     _search_options(rt)
     _common(rt, "ckgen retune", cmd_retune, fmt=True)
 
-    b = sub.add_parser("bench", help="time every op's suite on this GPU against PyTorch eager and torch.compile")
+    b = sub.add_parser("bench", help="time every op's suite on this GPU against PyTorch eager and torch.compile",
+                       description="Time every op's benchmark suite on this GPU (the dispatcher's choice per "
+                                   "problem) against PyTorch eager and torch.compile; writes "
+                                   "bench-<device>.md/.json/.png under --out. Needs a GPU and PyTorch.")
     b.add_argument("--ops", help="comma-separated ops (default: all eight)")
     b.add_argument("--out", help="folder for bench-<device>.md/.json/.png (default: $OUT or ./bench-results)")
     b.add_argument("--quick", action="store_true", help="every third problem of each suite")
@@ -1319,26 +1422,45 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("--op", help="one op: every tunable's values and every grid (default: all ops, in brief)")
     _common(ls, "ckgen list", cmd_list, fmt=True)
 
-    d = sub.add_parser("db", help="inspect the instance DB")
+    d = sub.add_parser("db", help="inspect the instance DB",
+                       description="Inspect, export, pull and merge instance DBs (the user DB over the shipped "
+                                   "one).")
     dsub = d.add_subparsers(dest="dbcmd", required=True, metavar="DBCOMMAND")
-    show = dsub.add_parser("show", help="the DB entries in use (user DB over shipped DB)")
-    show.add_argument("--op", help="only this op's entries (default: all)")
+    show = dsub.add_parser("show", help="the DB entries in use (user DB over shipped DB), per op and arch",
+                           description="The instance DB in use (the user DB over the shipped one): how many "
+                                       "entries each op has per arch, from which DB; the entries themselves "
+                                       "with --op NAME or --all.")
+    which = show.add_mutually_exclusive_group()
+    which.add_argument("--op", help="this op's entries (default: a count per op and arch)")
+    which.add_argument("--all", action="store_true", help="every entry (default: a count per op and arch)")
     _common(show, "ckgen db show", cmd_db_show, fmt=True)
-    exp = dsub.add_parser("export", help="CSV to stdout")
+    exp = dsub.add_parser("export", help="CSV to stdout",
+                          description="Every DB entry in use (user DB over shipped DB) as CSV on stdout, one row "
+                                      "per entry.")
     _common(exp, "ckgen db export", cmd_db_export)
     where = dsub.add_parser("where", help="the resolved cache dir, user DB, shipped DB, and which entries come "
-                                          "from which")
+                                          "from which",
+                            description="Every place ckgen reads or writes (cache dir, user and shipped DB, "
+                                        "studies, kernels, cost model, records, templates, tuning spaces, ROCm), "
+                                        "what set it and its state; then the entries in use per op and arch by "
+                                        "origin.")
     _common(where, "ckgen db where", cmd_db_where, fmt=True)
     pull = dsub.add_parser("pull", help="DB entries from the finished studies of an optuna storage (the winners "
-                                        "of `tune --workers` runs on other machines)")
+                                        "of `tune --workers` runs on other machines)",
+                           description="Read the finished studies of an optuna storage (the `tune --workers` runs "
+                                       "of other machines) and save each problem's winner into the user DB.")
     pull.add_argument("--storage", required=True, help="optuna storage URL, e.g. postgresql+psycopg://user@host:5432/ckgen")
     _common(pull, "ckgen db pull", cmd_db_pull, fmt=True)
     merge = dsub.add_parser("merge", help="merge DB files: per problem and arch the faster verified entry wins, "
-                                          "ties by date")
+                                          "ties by date",
+                            description="Merge DB files into one: per (op, arch, problem), a verified entry (it "
+                                        "validates and renders to its tuned source) wins, then the faster one, "
+                                        "then the later one. Into -o, or without it into the user DB (--db).")
     merge.add_argument("dbs", nargs="+", metavar="DB", help="DB files (YAML)")
-    merge.add_argument("-o", "--output", required=True,
-                       help="the DB file to merge into (created if missing; entries saved to it meanwhile are kept)")
-    merge.set_defaults(fn=cmd_db_merge, prog="ckgen db merge")
+    merge.add_argument("-o", "--output",
+                       help="the DB file to merge into (created if missing; entries saved to it meanwhile are kept; "
+                            "default: the user DB)")
+    _common(merge, "ckgen db merge", cmd_db_merge)
     return p
 
 

@@ -5,8 +5,10 @@
   between words; on a narrower terminal the long identifiers (problem keys, instance names,
   paths), then the row's other columns (text first), go on lines of their own under their row,
   whole (`to_rich`).
-- `tsv`: one header line of column keys, then one line per row, tab-separated; several tables
-  are separated by one empty line. The default when stdout is not a terminal (`ckgen list | cat`).
+- `tsv`: one header line of column keys, then one line per row, tab-separated. Several tables
+  are separated by one empty line, and each starts with a caption line, `# name: title` (a
+  comment to TSV readers such as pandas' `comment="#"`), so a reader knows which is which. The
+  default when stdout is not a terminal (`ckgen list | cat`).
 - `json`: one JSON document, `{table name: [row objects], ...}`, with numbers as numbers.
 
 Without `--format`, a terminal gets `table` and anything else `tsv`. Messages about progress
@@ -76,7 +78,8 @@ def _jsonable(v: Any) -> Any:
 def to_tsv(sheets: Sequence[Sheet]) -> str:
     blocks = []
     for s in sheets:
-        lines = ["\t".join(c.key for c in s.cols)]
+        caption = [f"# {s.name}: {_cell(s.title)}" if s.title else f"# {s.name}"] if len(sheets) > 1 else []
+        lines = caption + ["\t".join(c.key for c in s.cols)]
         lines += ["\t".join(_cell(c.text(v)) for c, v in zip(s.cols, row)) for row in s.rows]
         blocks.append("\n".join(lines) + "\n")
     return "\n".join(blocks)

@@ -151,6 +151,14 @@ class GroupNormProblem(Problem):
             raise ValueError(f"problem key {short_repr(key)} is malformed: {e}") from None
 
 
+@functools.lru_cache(maxsize=8192)
+def _gn_problem_from_key(key: str) -> GroupNormProblem:
+    """`GroupNormProblem.from_key`, remembered (the problems are frozen): a records file names a
+    few hundred problems over tens of thousands of records, and reading the shipped ones parsed
+    each key again (about half of the 2-3 CPU-seconds every tuning process spends on them)."""
+    return GroupNormProblem.from_key(key)
+
+
 def gn_problem_class(op: OpSpec, p: GroupNormProblem) -> tuple[str, str, int, bool]:
     """A GroupNorm op's `problem_class`: dtype, layout, in NCHW gcd(H*W, the lcm of the space's
     vec_bytes), which decides whether H*W is a whole number of vectors of any width (a vector's
@@ -229,7 +237,7 @@ class GroupNormOp(OpSpec):
         return layered_validate(self, p, config, target)
 
     def problem_from_key(self, key: str) -> GroupNormProblem:
-        return GroupNormProblem.from_key(key)
+        return _gn_problem_from_key(key)
 
     def problems_of(self, dp: Any, dtypes: list[str] | None = None, layouts: list[str] | None = None,
                     activations: list[str] | None = None) -> list[GroupNormProblem]:

@@ -17,12 +17,13 @@ pool), so calls can be captured in CUDA graphs. The public op modules (`ckgen.ru
 call's arguments to a plan: `api.callkeys` caches signature -> plan."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .. import settings
 from ..codegen import KernelSource
@@ -59,6 +60,8 @@ class Dispatcher:
         self._db: dbmod.InstanceDB | None = None
         self._choices: dict[tuple[str, str, str, int], tuple[Choice, KernelSource]] = {}
         self._told: set[tuple[str, str]] = set()
+        #: set while `explain` asks: the caller gets the choice back, so it is not logged too
+        self._asked = threading.local()
         self.plans: dict[tuple, Plan] = {}
         #: call signature -> plan (filled by the public op modules); cleared with the plans
         self.calls: dict[tuple, Plan] = {}
@@ -120,10 +123,22 @@ class Dispatcher:
         if new:
             self._choices[key] = hit
             choice = hit[0]
-            if choice.source != "tuned" and (op.name, problem.key()) not in self._told and not settings.quiet():
+            if choice.source != "tuned" and (op.name, problem.key()) not in self._told:
                 self._told.add((op.name, problem.key()))
-                log.warning("ckgen: %s", choice)
+                if not settings.quiet() and not getattr(self._asked, "on", False):
+                    log.warning("ckgen: %s", choice)
         return hit
+
+    @contextlib.contextmanager
+    def asked(self) -> Iterator[None]:
+        """Choices made inside are returned to a caller that asked for them (`explain`), so the
+        once-per-problem notice is not logged as well: it counts as told, and a later call of the
+        same problem stays quiet too."""
+        self._asked.on = True
+        try:
+            yield
+        finally:
+            self._asked.on = False
 
     def _usable(self, op: OpSpec, problem: Problem, config: Config, target: Target, max_vec: int) -> str | None:
         why = self._aligned(config, max_vec)

@@ -114,6 +114,12 @@ class ConvertReport:
     def _add(self, replaced: bool, name: str, m: nn.Module, result: str, reason: str, adapter: str = "") -> None:
         (self.replaced if replaced else self.left).append(Entry(name, type(m).__name__, result, reason, adapter))
 
+    def _in_module_order(self, order: dict[str, int]) -> None:
+        """Entries in the order of the model's modules (`order`: path -> index), as a reader walks
+        the model; the passes that made them (fusions first) do not show."""
+        for rows in (self.replaced, self.left):
+            rows.sort(key=lambda e: order.get(e.name, len(order)))
+
 
 def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
@@ -384,6 +390,7 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
             raise TypeError(f"adapters: expected Adapter objects, got {type(a).__name__}")
     run = _Run(model, want, {"indices": max_pool_indices, "under_compile": max_pool_under_compile}, extra)
     report = run.report
+    order = {name: k for k, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
 
     # 1. Block adapters (diffusers' ResnetBlock2D, LDM's ResBlock, timm's GroupNormAct, ...):
     # parents before children, each module once.
@@ -512,6 +519,7 @@ def convert(model: nn.Module, ops: Optional[Iterable[str]] = None, patterns: Ite
         reason = ("same Parameter objects" if any(True for _ in m.parameters()) else "same arguments") if first \
             else "a shared module: the same ckgen module as at its first use"
         report._add(True, name, m, type(new).__name__, reason, by)
+    report._in_module_order(order)
     return report
 
 

@@ -42,11 +42,11 @@ def _diffusers():
 
 
 def _timm():
-    from _torchvision_standin import import_timm
+    from _torchvision_standin import SKIP_NO_TIMM, import_timm
 
     timm = import_timm()
     if timm is None:
-        pytest.skip("timm is not installed")
+        pytest.skip(SKIP_NO_TIMM)
     return timm
 
 

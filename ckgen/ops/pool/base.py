@@ -2,6 +2,7 @@
 validation, launch geometry, naming, packing. The backward ops' common part is `bwd._PoolBwd`."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar, Mapping
 
@@ -30,6 +31,14 @@ def _cdiv(a: int, b: int) -> int:
 _STORAGE_BITS = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
 
 
+
+
+@functools.lru_cache(maxsize=8192)
+def _pool_problem_from_key(cls: type, key: str) -> Any:
+    """`cls.from_key(key)`, remembered (the problems are frozen): a records file names a few
+    hundred problems over tens of thousands of records, each key parsed again otherwise."""
+    return cls.from_key(key)
+
 class _PoolOp(VectorChecks, PoolHooks, OpSpec):
     """What the four pooling ops share: problems, layouts, packing, launch shape, naming."""
 
@@ -56,7 +65,7 @@ class _PoolOp(VectorChecks, PoolHooks, OpSpec):
         return problem_of(self.problem_cls, kw, self.name, {"kernel_size": "kernel"}, filled=("stride",))
 
     def problem_from_key(self, key: str) -> PoolProblem:
-        return self.problem_cls.from_key(key)
+        return _pool_problem_from_key(self.problem_cls, key)
 
     def _extra_defaults(self, case: Mapping[str, Any]) -> dict[str, Any]:
         return {}

@@ -31,7 +31,14 @@ def explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
     """Which instance would this call use, and why? With the call's arguments, e.g.
     `explain("groupnorm_fwd", x, gamma, beta, 32)`, `explain("maxpool2d_fwd", x, 3, 2, 1)`, or
     with a problem: `explain("groupnorm_fwd", N=2, C=320, H=64, W=64, G=32, dtype="bf16",
-    layout="nhwc", arch="sm_90")`. Launches nothing (the plan it builds serves the next call)."""
+    layout="nhwc", arch="sm_90")`. Launches nothing (the plan it builds serves the next call).
+    The choice is returned, not logged: a problem explained here is not announced again by its
+    calls (`print(explain(...))` shows it once)."""
+    with dispatcher().asked():
+        return _explain(op_name, *args, **kwargs)
+
+
+def _explain(op_name: str, *args: Any, **kwargs: Any) -> Choice:
     op = get_op(op_name)
     if args:
         return planners[op_name](*args, **kwargs)[0].choice
